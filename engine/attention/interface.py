@@ -1,0 +1,72 @@
+"""Backend selection and the step metadata shared by every paged_attention implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+PagedAttentionFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one ragged step; built once per step by the model runner, used by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset of each new token
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    # Host-side copies, so CPU paths can plan without reading tensors back.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V ([num_tokens, n_kv_heads, head_dim]) at their slots."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+class AttentionBackend:
+    """What the model runner holds: `prepare` once per step, then one call per layer with the
+    paged_attention interface. Stateless implementations ignore `prepare`."""
+
+    def __init__(self, fn: PagedAttentionFn, name: str):
+        self._fn = fn
+        self.name = name
+
+    def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                block_size: int) -> None:
+        prepare = getattr(self._fn, "prepare", None)
+        if prepare is not None:
+            prepare(block_table, query_lens, seq_lens, block_size)
+
+    def __call__(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return self._fn(*args, **kwargs)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks the Triton kernel for CUDA tensors when available, else the torch path."""
+    if name == "reference":
+        from engine.attention.reference import paged_attention_reference
+
+        return AttentionBackend(paged_attention_reference, "reference")
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from engine.attention.triton_paged import paged_attention_triton
+        except ImportError as exc:
+            if name == "triton":
+                raise ValueError(f"attention_backend 'triton' is not available: {exc}") from exc
+        else:
+            return AttentionBackend(paged_attention_triton, "triton")
+    from engine.attention.torch_paged import TorchPagedAttention
+
+    return AttentionBackend(TorchPagedAttention(), "torch")

@@ -1,0 +1,130 @@
+"""Paged attention for CPU (and any device) in plain torch: batched block gather + SDPA.
+
+Decode rows (one query each) are attended in a single batched SDPA call over K/V gathered through
+the block table, with a key-length mask. Prefill and chunked-prefill sequences are attended one by
+one over their own gathered K/V with a bottom-right causal mask (plain `is_causal` when the chunk
+is the whole sequence). The plan (which rows are decodes, masks, gather indices) depends only on the
+step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass
+class _Prefill:
+    q_start: int
+    q_end: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] long
+
+
+@dataclass
+class TorchAttentionPlan:
+    decode_rows: torch.Tensor | slice | None  # rows of q that are single-token decodes
+    decode_blocks: torch.Tensor | None  # [B, nb] long block table of those decodes
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend
+    prefills: list[_Prefill]
+
+
+def plan_attention(
+    block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int], block_size: int
+) -> TorchAttentionPlan:
+    device = block_table.device
+    decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    prefills = []
+    for i, n in enumerate(query_lens):
+        if n != 1:
+            num_blocks = -(-seq_lens[i] // block_size)
+            prefills.append(_Prefill(starts[i], starts[i + 1], seq_lens[i],
+                                     block_table[i, :num_blocks].long()))
+    if not decode_idx:
+        return TorchAttentionPlan(None, None, None, prefills)
+    max_len = max(seq_lens[i] for i in decode_idx)
+    num_blocks = -(-max_len // block_size)
+    rows: torch.Tensor | slice
+    if decode_idx == list(range(len(decode_idx))):  # the usual layout: decodes first
+        rows = slice(0, len(decode_idx))
+        blocks = block_table[: len(decode_idx), :num_blocks].long()
+        lens = torch.tensor(seq_lens[: len(decode_idx)], device=device)
+    else:
+        seq_index = torch.tensor(decode_idx, device=device)
+        rows = torch.tensor([starts[i] for i in decode_idx], device=device)
+        blocks = block_table.index_select(0, seq_index)[:, :num_blocks].long()
+        lens = torch.tensor([seq_lens[i] for i in decode_idx], device=device)
+    positions = torch.arange(num_blocks * block_size, device=device)
+    mask = (positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    return TorchAttentionPlan(rows, blocks, mask, prefills)
+
+
+def run_planned_attention(
+    plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if plan.decode_blocks is not None:
+        b = plan.decode_blocks.shape[0]
+        k = k_cache[plan.decode_blocks].view(b, -1, n_kv, head_dim).transpose(1, 2)
+        v = v_cache[plan.decode_blocks].view(b, -1, n_kv, head_dim).transpose(1, 2)
+        q_dec = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            q_dec, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[plan.decode_rows] = o.squeeze(2)
+    for p in plan.prefills:
+        lq = p.q_end - p.q_start
+        k = k_cache[p.blocks].view(-1, n_kv, head_dim)[: p.seq_len].transpose(0, 1)
+        v = v_cache[p.blocks].view(-1, n_kv, head_dim)[: p.seq_len].transpose(0, 1)
+        q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
+        if lq == p.seq_len:
+            o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            mask = causal_lower_right(lq, p.seq_len)
+            o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[p.q_start:p.q_end] = o.transpose(0, 1)
+    return out
+
+
+class TorchPagedAttention:
+    """Stateful form used by the model runner: `prepare` once per step, then call per layer."""
+
+    def __init__(self) -> None:
+        self._plan: TorchAttentionPlan | None = None
+
+    def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                block_size: int) -> None:
+        self._plan = plan_attention(block_table, query_lens, seq_lens, block_size)
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
+        scale: float, max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self._plan is None:
+            raise RuntimeError("TorchPagedAttention.prepare must be called before each step")
+        out = torch.empty_like(q) if out is None else out
+        return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out)
+
+
+def paged_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
+    max_seq_len: int, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The stateless interface: plans from the tensors, then attends."""
+    del max_query_len, max_seq_len
+    starts = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(starts, starts[1:])]
+    plan = plan_attention(block_table, query_lens, seq_lens.tolist(), k_cache.shape[1])
+    out = torch.empty_like(q) if out is None else out
+    return run_planned_attention(plan, q, k_cache, v_cache, scale, out)

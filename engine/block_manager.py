@@ -1,0 +1,178 @@
+"""Paged KV block pool with reference counts and prefix caching. Plain Python, no torch.
+
+Every block is in exactly one of three states:
+  used    ref_count > 0 (held by one or more requests)
+  cached  ref_count == 0, holds the KV of a full block whose hash is known (reusable on a hit)
+  free    ref_count == 0, no hash
+Cached and free blocks both live in `_evictable`, an LRU ordered from "evict first" to "evict last":
+free blocks go to the front, cached blocks to the back, so a hit survives as long as possible.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """Key of a full block: its tokens, chained to the key of the block before it."""
+    return hash((parent, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # kept with the hash so a hash collision is never a hit
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    used: int
+    cached: int
+    free: int
+
+    @property
+    def total(self) -> int:
+        return self.used + self.cached + self.free
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._evictable: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable cached)."""
+        return len(self._evictable)
+
+    def usage(self) -> BlockUsage:
+        cached = sum(1 for b in self._evictable if self.blocks[b].hash is not None)
+        free = len(self._evictable) - cached
+        return BlockUsage(used=self.num_blocks - len(self._evictable), cached=cached, free=free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's tokens.
+
+        At least one token is always left to compute, so the last token's logits exist.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(usable):
+            tokens = tuple(request.tokens_in(i * self.block_size, (i + 1) * self.block_size))
+            key = chain_hash(parent, tokens)
+            block_id = self._by_hash.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = key
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix lookup (for the hit-rate metric)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the hashes of the request's blocks whose every token's KV is computed."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = request._block_hashes
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), full):
+            tokens = tuple(request.tokens_in(i * self.block_size, (i + 1) * self.block_size))
+            key = chain_hash(parent, tokens)
+            hashes.append(key)
+            parent = key
+            block = self.blocks[request.block_ids[i]]
+            if block.hash is None and key not in self._by_hash:
+                block.hash, block.token_ids = key, tokens
+                self._by_hash[key] = block.block_id
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens of KV; False (and no change) if it can't.
+
+        `cached_blocks` are prefix-cache hits for a request that holds no blocks yet; they count
+        as computed tokens once taken.
+        """
+        if cached_blocks and request.block_ids:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens)
+        have = len(request.block_ids) + len(cached_blocks)
+        # Cached hits that sit in the evictable pool are not available for fresh allocation.
+        hits_evictable = sum(1 for b in cached_blocks if b in self._evictable)
+        if needed - have > len(self._evictable) - hits_evictable:
+            return False
+        for block_id in cached_blocks:
+            self._ref(block_id)
+        request.block_ids.extend(cached_blocks)
+        for _ in range(needed - have):
+            request.block_ids.append(self._take_evictable())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request. Tail blocks are freed first so that, among the
+        request's cached blocks, the prefix is evicted last."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            if block.ref_count == 0:
+                self._evictable[block_id] = None
+                if block.hash is None:
+                    self._evictable.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+        request._block_hashes.clear()
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self._by_hash.values()):
+            self._forget(self.blocks[block_id])
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _take_evictable(self) -> int:
+        block_id, _ = self._evictable.popitem(last=False)
+        block = self.blocks[block_id]
+        self._forget(block)
+        block.ref_count = 1
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        if block.hash is not None and self._by_hash.get(block.hash) == block.block_id:
+            del self._by_hash[block.hash]
+        block.hash, block.token_ids = None, ()

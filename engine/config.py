@@ -1,0 +1,246 @@
+"""Frozen, validated configuration objects. Parsed once at the edge (CLI, deploy), then passed down.
+
+This module imports no torch: the scheduler and block manager are configured from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+class ModelPathError(ValueError):
+    """The --model path is missing, incomplete, or holds an unsupported checkpoint."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    # The remaining rope_scaling keys (factor, low_freq_factor, ...), as a sorted tuple of pairs so
+    # the dataclass stays hashable.
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family checkpoint, read from its config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelPathError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ModelPathError(f"no config.json in model directory {str(path)!r}")
+        raw = json.loads(config_file.read_text())
+        generation = path / "generation_config.json"
+        gen_raw = json.loads(generation.read_text()) if generation.is_file() else {}
+        return cls.from_hf_dict(raw, gen_raw, source=str(config_file))
+
+    @classmethod
+    def from_hf_dict(
+        cls, raw: dict[str, Any], gen_raw: dict[str, Any] | None = None, source: str = "config"
+    ) -> ModelConfig:
+        archs = raw.get("architectures") or [raw.get("model_type", "<none>")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelPathError(
+                f"unsupported architecture {arch!r} in {source}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = _as_id_tuple((gen_raw or {}).get("eos_token_id")) + _as_id_tuple(
+            raw.get("eos_token_id")
+        )
+        window = raw.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(raw),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            bos_token_id=raw.get("bos_token_id"),
+            sliding_window=int(window) if window else None,
+        )
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters"; older checkpoints use rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params.update({k: v for k, v in scaling.items() if k not in params})
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = str(params.pop("rope_type", params.pop("type", "default")))
+    return RopeConfig(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and memory budget.
+
+    The number of blocks comes from `num_blocks` when given (tests), else from `kv_cache_gb`, else
+    from `kv_cache_memory_fraction` of the memory available when the engine starts.
+    """
+
+    block_size: int = 16
+    kv_cache_gb: float | None = None
+    kv_cache_memory_fraction: float | None = None
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    DEFAULT_KV_CACHE_GB = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.kv_cache_gb is not None and not (0 < self.kv_cache_gb < 4096):
+            raise ValueError(f"kv_cache_gb must be in (0, 4096), got {self.kv_cache_gb}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not (0 < fraction <= 0.95):
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {fraction}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    def budget_bytes(self, available_bytes: int) -> int:
+        if self.kv_cache_gb is not None:
+            return int(self.kv_cache_gb * 2**30)
+        if self.kv_cache_memory_fraction is not None:
+            return int(self.kv_cache_memory_fraction * available_bytes)
+        return int(self.DEFAULT_KV_CACHE_GB * 2**30)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits. `prefill_chunk_size` caps the prompt tokens one request gets in one step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    prefill_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request can decode each step"
+            )
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+
+    @property
+    def chunk_limit(self) -> int:
+        return self.prefill_chunk_size or self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; `model` is a local checkpoint directory or "default"."""
+
+    model: str = "default"
+    dtype: str | None = None  # None: bfloat16 where the CPU has native bf16 matmul, else float32
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_model_len: int | None = None
+    attention_backend: str = "auto"  # auto | torch | reference
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "reference", "triton"):
+            raise ValueError(
+                "attention_backend must be auto, torch, reference or triton, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 natively (AMX or AVX512-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def default_dtype(device: str) -> str:
+    if device.startswith("cuda"):
+        return "bfloat16"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype_bytes
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)

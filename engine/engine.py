@@ -1,0 +1,158 @@
+"""LLMEngine: validation at the door, then the one step loop (schedule → execute → update)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig, default_dtype
+from engine.loader import resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.request import Request, SamplingParams
+from engine.scheduler import RequestUpdate, Scheduler
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: the delta of this step plus everything so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None  # arrival → first token
+    latency_s: float | None = None  # arrival → finish
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.dtype = config.dtype or default_dtype(config.device)
+        self.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(config, self.model_config, self.model_path, self.dtype,
+                                  self.max_model_len)
+        cache = config.cache
+        self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching)
+        sched = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._ids = itertools.count()
+
+    def _max_model_len(self) -> int:
+        limits = [self.model_config.max_position_embeddings]
+        if self.config.max_model_len is not None:
+            limits.append(self.config.max_model_len)
+        if self.model_config.sliding_window is not None:  # no sliding-window attention here
+            limits.append(self.model_config.sliding_window)
+        return min(limits)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; ValueError (engine unchanged) on bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
+                          max_model_len=self.max_model_len)
+        request.text_stream = self.tokenizer.text_stream(token_ids, params.skip_special_tokens)
+        self.scheduler.add(request)
+        return request_id
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt)}")
+        return [int(t) for t in prompt]
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Check a tokenized prompt and its parameters against this engine's limits."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.model_config.vocab_size
+        if not token_ids:
+            raise ValueError("prompt must not be empty (0 tokens)")
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len {self.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_needed(total) > bm.num_blocks:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{bm.blocks_needed(total)} KV blocks but the whole KV cache holds {bm.num_blocks} "
+                f"({bm.num_blocks * bm.block_size} tokens)"
+            )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        return None if request is None else self._output(request, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        updates = self.scheduler.update(out, result.sampled, result.logprobs)
+        return [self._from_update(u) for u in updates]
+
+    def _from_update(self, update: RequestUpdate) -> RequestOutput:
+        return self._output(update.request, update.new_token_ids)
+
+    def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
+        new_text = request.take_visible_text()
+        text = request.output_text
+        now = time.monotonic()
+        first = request.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason.value if request.finish_reason else None,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
+            ttft_s=None if first is None else first - request.arrival_time,
+            latency_s=now - request.arrival_time if request.is_finished else None,
+        )

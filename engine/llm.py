@@ -1,0 +1,98 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams)` and a streaming iterator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation over a continuous-batching engine.
+
+    >>> llm = LLM()  # the default SmolLM2-135M-Instruct
+    >>> llm.generate(["The capital of France is"], SamplingParams(temperature=0))[0].text
+    """
+
+    def __init__(self, model: str = "default", *, dtype: str | None = None,
+                 config: EngineConfig | None = None, kv_cache_gb: float | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None):
+        if config is None:
+            sched = SchedulerConfig()
+            sched = SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
+                max_num_seqs=max_num_seqs or sched.max_num_seqs,
+            )
+            config = EngineConfig(model=model, dtype=dtype, scheduler=sched,
+                                  cache=CacheConfig(kv_cache_gb=kv_cache_gb))
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion as one continuous batch; outputs in prompt order."""
+        final: dict[str, RequestOutput] = {}
+        ids: list[str] = []
+        for outputs in self._stream(prompts, params, ids):
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None
+               ) -> Iterator[list[RequestOutput]]:
+        """Yield each step's outputs (token and text deltas) until every prompt is finished."""
+        return self._stream(prompts, params, [])
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None
+             ) -> RequestOutput:
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def _stream(self, prompts: Prompt | Sequence[Prompt],
+                params: SamplingParams | Sequence[SamplingParams] | None,
+                ids: list[str]) -> Iterator[list[RequestOutput]]:
+        batch = _as_prompt_list(prompts)
+        per_prompt = _as_params_list(params, len(batch))
+        engine = self.engine
+        try:
+            for prompt, p in zip(batch, per_prompt):
+                ids.append(engine.add_request(prompt, p))
+        except ValueError:
+            for request_id in ids:  # leave the engine as it was
+                engine.abort(request_id)
+            raise
+        try:
+            while engine.has_unfinished_requests():
+                outputs = engine.step()
+                if outputs:
+                    yield outputs
+        finally:
+            for request_id in ids:  # a consumer that stops early must not strand blocks
+                engine.abort(request_id)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int
+                    ) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

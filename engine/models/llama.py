@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened ragged batch, no padding.
+
+Weights are fused at load time (q/k/v into one matrix, gate/up into one) so each layer runs four
+matmuls. Numerics follow transformers' implementation (fp32 RMSNorm statistics, fp32 RoPE tables)
+so float32 greedy output is token-identical to it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+from engine.config import ModelConfig, RopeConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for the checkpoint's rope type."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                     / head_dim))
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / float(rope.get("factor")), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope), 1.0
+    raise ValueError(
+        f"unsupported rope_type {rope.rope_type!r}; supported: default, linear, llama3"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    factor = float(rope.get("factor"))
+    low, high = float(rope.get("low_freq_factor")), float(rope.get("high_freq_factor"))
+    old_len = float(rope.get("original_max_position_embeddings"))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to max_positions, looked up per token."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
+                 device: torch.device):
+        inv_freq, scaling = rope_inv_freq(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer:
+    def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig):
+        self.qkv_weight = weights["qkv_weight"]
+        self.qkv_bias = weights.get("qkv_bias")
+        self.o_weight = weights["o_weight"]
+        self.o_bias = weights.get("o_bias")
+        self.gate_up_weight = weights["gate_up_weight"]
+        self.down_weight = weights["down_weight"]
+        self.input_norm = weights["input_norm"]
+        self.post_attention_norm = weights["post_attention_norm"]
+        self.eps = config.rms_norm_eps
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend
+                ) -> torch.Tensor:
+        x = rms_norm(h, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = h.shape[0]
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        write_kv_cache(k, v.view(t, self.n_kv, self.head_dim), k_cache, v_cache, md.slot_mapping)
+        attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                         scale=self.scale, max_query_len=md.max_query_len,
+                         max_seq_len=md.max_seq_len)
+        h = h + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        x = rms_norm(h, self.post_attention_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaModel:
+    """The whole decoder; `forward` returns fp32 logits for the rows in `logits_indices`."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+        self.config = config
+        self.embed = weights["embed"]
+        self.lm_head = weights.get("lm_head", self.embed)
+        self.norm = weights["norm"]
+        self.layers = [DecoderLayer(weights_i, config) for weights_i in _split_layers(weights)]
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions,
+                                      self.embed.dtype, self.embed.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], md: AttentionMetadata, attention: AttentionBackend,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer.forward(h, positions, self.rotary, kv_cache, md, attention)
+        h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+def _split_layers(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    layers: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        if name.startswith("layers."):
+            _, index, key = name.split(".", 2)
+            layers.setdefault(int(index), {})[key] = tensor
+    return [layers[i] for i in sorted(layers)]

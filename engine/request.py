@@ -1,0 +1,202 @@
+"""Requests and sampling parameters: plain Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, validated on construction (ValueError names the field and its limit).
+
+    temperature 0 means greedy. top_k -1 disables top-k; top_p 1.0 disables nucleus sampling.
+    `logprobs`: None for none, 0 for the sampled token's logprob, k for that plus the top k.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        temp = float(self.temperature)
+        if math.isnan(temp) or temp < 0 or math.isinf(temp):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        top_p = float(self.top_p)
+        if math.isnan(top_p) or not (0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not (0 <= self.seed < 2**63):
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not (0 <= self.logprobs <= self.MAX_LOGPROBS):
+                raise ValueError(
+                    f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"
+                )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+    @property
+    def finished(self) -> bool:
+        return self is RequestStatus.FINISHED
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+class TextStream(Protocol):
+    """Incremental detokenizer attached to a request (see engine.tokenizer)."""
+
+    def step(self, token_id: int) -> str: ...
+
+
+@dataclass
+class Request:
+    """One generation. The scheduler owns its status and num_computed_tokens; only the block
+    manager writes `block_ids`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 1 << 30
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    text_stream: TextStream | None = None
+    output_text: str = ""
+    num_emitted_chars: int = 0
+    _block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> str:
+        """Record a sampled token; return the text it completes ("" while a character is split)."""
+        if not self.output_token_ids:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+        delta = self.text_stream.step(token_id) if self.text_stream is not None else ""
+        self.output_text += delta
+        return delta
+
+    def take_visible_text(self) -> str:
+        """Text not yet handed out. While running, the last len(longest stop) - 1 characters are
+        held back, so a stop string is never half-emitted before it is recognised."""
+        text = self.output_text
+        end = len(text)
+        if not self.is_finished and self.params.stop:
+            end = max(self.num_emitted_chars, end - max(len(s) for s in self.params.stop) + 1)
+        delta = text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return delta
+
+    def check_stop(self, new_text: str) -> bool:
+        """Set finish_reason if the last token ends the request. Truncates text at a stop string."""
+        token = self.output_token_ids[-1]
+        p = self.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish_with(FinishReason.STOP, token)
+        if token in p.stop_token_ids:
+            return self._finish_with(FinishReason.STOP, token)
+        if p.stop and new_text and self._truncate_at_stop_string(len(new_text)):
+            return True
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+            return self._finish_with(FinishReason.LENGTH, None)
+        return False
+
+    def _truncate_at_stop_string(self, new_len: int) -> bool:
+        text = self.output_text
+        for stop in self.params.stop:
+            # Only the new text and the len(stop) - 1 characters before it can hold a new match.
+            start = max(0, len(text) - new_len - len(stop) + 1)
+            index = text.find(stop, start)
+            if index != -1:
+                self.output_text = text[:index]
+                return self._finish_with(FinishReason.STOP, stop)
+        return False
+
+    def _finish_with(self, reason: FinishReason, stop_reason: int | str | None) -> bool:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        return True

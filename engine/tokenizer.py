@@ -1,0 +1,105 @@
+"""Tokenizer, chat template and incremental detokenizer over the `tokenizers` library (no torch,
+no transformers import at run time)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in model directory {str(model_dir)!r}")
+        self.backend = HFTokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        self.chat_template = _load_chat_template(model_dir, config)
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model's tokenizer has no chat template")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("role"), str) or not isinstance(
+                message.get("content"), str
+            ):
+                raise ValueError(f"messages[{i}] needs string 'role' and 'content' fields")
+        return self.chat_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The template already writes every special token, as transformers' apply_chat_template.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def text_stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> TextStream:
+        return TextStream(self.backend, prompt_ids, skip_special_tokens)
+
+
+class TextStream:
+    """Incremental detokenization that never splits a multi-byte character: `step` returns ""
+    until the bytes of a character are complete. Seeded with the prompt's tail so the first
+    output token gets its leading-space handling right."""
+
+    def __init__(self, backend: HFTokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_ids[-8:]), skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value
+
+
+def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> Any:
+    source = None
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        source = jinja_file.read_text()
+    elif isinstance(config.get("chat_template"), str):
+        source = config["chat_template"]
+    if source is None:
+        return None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+    return env.from_string(source)
