@@ -155,6 +155,23 @@ class BlockManager:
         request.block_ids.clear()
         request._block_hashes.clear()
 
+    def check_integrity(self, holders: Sequence[Request]) -> None:
+        """Raise AssertionError unless free + cached + used == total and every ref count equals
+        the number of live requests holding that block (tests call this after every step)."""
+        usage = self.usage()
+        assert usage.total == self.num_blocks, f"{usage} does not add up to {self.num_blocks}"
+        counts = [0] * self.num_blocks
+        for request in holders:
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == counts[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, held {counts[block.block_id]}x"
+            )
+            assert (block.ref_count == 0) == (block.block_id in self._evictable)
+        for key, block_id in self._by_hash.items():
+            assert self.blocks[block_id].hash == key
+
     def reset_prefix_cache(self) -> None:
         for block_id in list(self._by_hash.values()):
             self._forget(self.blocks[block_id])

@@ -23,15 +23,17 @@ class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens when scheduled: the first position computed this step
     num_tokens: int
+    # Whether this step reaches the request's last token, so its logits give a new token.
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so its logits give a new token."""
-        return self.end == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_tokens: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return cls(request, start, num_tokens, start + num_tokens == request.num_tokens)
 
 
 @dataclass
@@ -128,7 +130,7 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is request:
                     return budget
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num))
+            out.scheduled.append(ScheduledRequest.of(request, num))
             budget -= num
             index += 1
         return budget
@@ -149,7 +151,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num))
+            out.scheduled.append(ScheduledRequest.of(request, num))
             budget -= num
 
     def _preempt(self, request: Request) -> None:

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from engine.loader import resolve_model_path
+
+    return resolve_model_path("default")
+
+
+def save_tiny_model(path: Path, arch: str, tokenizer_from: Path, seed: int = 0,
+                    **overrides: object) -> Path:
+    """A small random checkpoint of `arch` with the default model's vocabulary and tokenizer."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.3)
+    common.update(overrides)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, arch)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).float().eval()
+    max_shard = common.pop("max_shard_size", None)
+    kwargs = {"max_shard_size": max_shard} if max_shard else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "LlamaForCausalLM",
+                           default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def workload_prompts() -> list[list[int]]:
+    """Token ids of real text from the shared offline workload."""
+    rows = [json.loads(line) for line in (SHARED / "bench" / "offline_mixed.jsonl").open()]
+    return [r["prompt_token_ids"] for r in rows]
+
+
+def mixed_prompts(workload: list[list[int]], n: int = 20) -> list[list[int]]:
+    """n prompts of mixed lengths (3 .. ~400 tokens), cut from different workload prompts."""
+    lengths = [3, 7, 12, 16, 17, 25, 31, 33, 48, 64, 80, 100, 128, 150, 200, 256, 300, 333, 380, 400]
+    return [workload[i % len(workload)][: lengths[i % len(lengths)]] for i in range(n)]

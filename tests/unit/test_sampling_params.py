@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.request import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "limit"),
+    [
+        ({"max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"max_tokens": -3}, "max_tokens", ">= 1"),
+        ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"temperature": math.nan}, "temperature", ">= 0"),
+        ({"temperature": math.inf}, "temperature", "finite"),
+        ({"top_p": 0.0}, "top_p", "(0, 1]"),
+        ({"top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"top_p": math.nan}, "top_p", "(0, 1]"),
+        ({"top_k": 0}, "top_k", "-1"),
+        ({"top_k": -2}, "top_k", "-1"),
+        ({"top_k": 2.5}, "top_k", "integer"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"seed": -1}, "seed", "[0, 2**63)"),
+        ({"stop": ("",)}, "stop", "non-empty"),
+    ],
+)
+def test_bad_sampling_params_name_field_and_limit(kwargs, field, limit):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert field in str(err.value) and limit in str(err.value)
+
+
+def test_valid_params_and_normalisation():
+    p = SamplingParams(stop="###", stop_token_ids=[5, 6], temperature=0)
+    assert p.stop == ("###",) and p.stop_token_ids == (5, 6) and p.greedy
+    assert not SamplingParams(temperature=0.7, top_k=-1, top_p=1.0).greedy
