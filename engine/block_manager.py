@@ -44,7 +44,9 @@ class BlockUsage:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -166,7 +168,8 @@ class BlockManager:
                 counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (
-                f"block {block.block_id}: ref_count {block.ref_count}, held {counts[block.block_id]}x"
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"held {counts[block.block_id]}x"
             )
             assert (block.ref_count == 0) == (block.block_id in self._evictable)
         for key, block_id in self._by_hash.items():

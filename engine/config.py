@@ -213,7 +213,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {self.dtype!r}"
+            )
         if self.attention_backend not in ("auto", "torch", "reference", "triton"):
             raise ValueError(
                 "attention_backend must be auto, torch, reference or triton, "

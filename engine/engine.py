@@ -99,7 +99,9 @@ class LLMEngine:
             raise ValueError("prompt must not be empty (0 tokens)")
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})"
+            )
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {vocab})")

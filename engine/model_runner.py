@@ -78,7 +78,8 @@ class ModelRunner:
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
         logits = self.model.forward(input_ids, positions, self.kv_caches, md, self.attention,
-                                    torch.tensor(logits_rows, device=self.device))
+                                    torch.tensor(logits_rows, dtype=torch.int64,
+                                                 device=self.device))
         sampling_items = [s for s in items if s.samples]
         batch = SamplingBatch([s.request.params for s in sampling_items],
                               [len(s.request.output_token_ids) for s in sampling_items])

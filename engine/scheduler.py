@@ -2,8 +2,8 @@
 
 Each step assigns a number of tokens to each request under `max_num_batched_tokens` and
 `max_num_seqs`: running requests first (decodes and unfinished prefill chunks), then chunks of
-waiting prompts fill what is left. Prefill chunks, prefix-cache hits and KV that arrives from another
-worker are all jumps of `num_computed_tokens`.
+waiting prompts fill what is left. Prefill chunks, prefix-cache hits and KV that arrives from
+another worker are all jumps of `num_computed_tokens`.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class Scheduler:
             budget -= num
 
     def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, go to the front of the queue."""
+        """Preemption by recompute: drop the KV, keep the tokens, go to the front of the queue."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0

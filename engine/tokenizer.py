@@ -77,7 +77,8 @@ class TextStream:
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_ids[-8:]), skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(ids=list(prompt_ids[-8:]),
+                                    skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

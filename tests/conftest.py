@@ -55,5 +55,6 @@ def workload_prompts() -> list[list[int]]:
 
 def mixed_prompts(workload: list[list[int]], n: int = 20) -> list[list[int]]:
     """n prompts of mixed lengths (3 .. ~400 tokens), cut from different workload prompts."""
-    lengths = [3, 7, 12, 16, 17, 25, 31, 33, 48, 64, 80, 100, 128, 150, 200, 256, 300, 333, 380, 400]
+    lengths = [3, 7, 12, 16, 17, 25, 31, 33, 48, 64,
+               80, 100, 128, 150, 200, 256, 300, 333, 380, 400]
     return [workload[i % len(workload)][: lengths[i % len(lengths)]] for i in range(n)]

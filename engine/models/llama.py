@@ -85,7 +85,8 @@ class DecoderLayer:
         self.input_norm = weights["input_norm"]
         self.post_attention_norm = weights["post_attention_norm"]
         self.eps = config.rms_norm_eps
-        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.n_heads, self.n_kv = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
         self.scale = self.head_dim ** -0.5
