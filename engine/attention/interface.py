@@ -42,6 +42,8 @@ class AttentionBackend:
     def __init__(self, fn: PagedAttentionFn, name: str):
         self._fn = fn
         self.name = name
+        # Backends that can attend a fresh prompt straight from this step's K/V say so.
+        self._takes_new_kv = bool(getattr(fn, "takes_new_kv", False))
 
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
@@ -49,7 +51,11 @@ class AttentionBackend:
         if prepare is not None:
             prepare(block_table, query_lens, seq_lens, block_size)
 
-    def __call__(self, *args: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    def __call__(self, *args: torch.Tensor,
+                 new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **kwargs: object) -> torch.Tensor:
+        if self._takes_new_kv:
+            kwargs["new_kv"] = new_kv
         return self._fn(*args, **kwargs)
 
 

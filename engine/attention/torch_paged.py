@@ -1,10 +1,12 @@
 """Paged attention for CPU (and any device) in plain torch: batched block gather + SDPA.
 
 Decode rows (one query each) are attended in a single batched SDPA call over K/V gathered through
-the block table, with a key-length mask. Prefill and chunked-prefill sequences are attended one by
-one over their own gathered K/V with a bottom-right causal mask (plain `is_causal` when the chunk
-is the whole sequence). The plan (which rows are decodes, masks, gather indices) depends only on the
-step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
+the block table (whole blocks, with `index_select` on rows of the flattened cache) and an additive
+key-length mask. Prefill and chunked-prefill sequences are attended one by one: a prompt computed
+whole in this step attends its own fresh K/V with `is_causal` (no gather at all); a chunk after a
+cached prefix gathers its blocks and uses a bottom-right causal mask. The plan (which rows are
+decodes, masks, gather indices) depends only on the step, so `TorchPagedAttention.prepare` builds
+it once per step for every layer.
 """
 
 from __future__ import annotations
@@ -27,9 +29,20 @@ class _Prefill:
 @dataclass
 class TorchAttentionPlan:
     decode_rows: torch.Tensor | slice | None  # rows of q that are single-token decodes
-    decode_blocks: torch.Tensor | None  # [B, nb] long block table of those decodes
+    decode_blocks: torch.Tensor | None  # [B * nb] long: the decodes' block tables, flattened
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend
     prefills: list[_Prefill]
+    _additive: dict[torch.dtype, torch.Tensor] | None = None
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The decode mask as 0 / -inf in the query dtype: SDPA's fused CPU kernel takes it
+        directly, where a boolean mask costs extra conversion passes in every layer."""
+        if self._additive is None:
+            self._additive = {}
+        if dtype not in self._additive:
+            zeros = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            self._additive[dtype] = zeros.masked_fill(~self.decode_mask, float("-inf"))
+        return self._additive[dtype]
 
 
 def plan_attention(
@@ -62,28 +75,31 @@ def plan_attention(
         lens = torch.tensor([seq_lens[i] for i in decode_idx], device=device)
     positions = torch.arange(num_blocks * block_size, device=device)
     mask = (positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-    return TorchAttentionPlan(rows, blocks, mask, prefills)
+    return TorchAttentionPlan(rows, blocks.reshape(-1), mask, prefills)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[len(blocks) * block_size, n_kv, head_dim]: the blocks' slots, in table order."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
+    return rows.view(-1, cache.shape[2], cache.shape[3])
 
 
 def run_planned_attention(
     plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale: float, out: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     if plan.decode_blocks is not None:
-        b = plan.decode_blocks.shape[0]
-        k = k_cache[plan.decode_blocks].view(b, -1, n_kv, head_dim).transpose(1, 2)
-        v = v_cache[plan.decode_blocks].view(b, -1, n_kv, head_dim).transpose(1, 2)
-        q_dec = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q_dec, k, v, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[plan.decode_rows] = o.squeeze(2)
+        _attend_decodes(plan, q, k_cache, v_cache, scale, out)
     for p in plan.prefills:
         lq = p.q_end - p.q_start
-        k = k_cache[p.blocks].view(-1, n_kv, head_dim)[: p.seq_len].transpose(0, 1)
-        v = v_cache[p.blocks].view(-1, n_kv, head_dim)[: p.seq_len].transpose(0, 1)
         q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
+        if lq == p.seq_len and new_kv is not None:  # whole prompt in this step: no gather
+            k = new_kv[0][p.q_start:p.q_end].transpose(0, 1)
+            v = new_kv[1][p.q_start:p.q_end].transpose(0, 1)
+        else:
+            k = _gather(k_cache, p.blocks)[: p.seq_len].transpose(0, 1)
+            v = _gather(v_cache, p.blocks)[: p.seq_len].transpose(0, 1)
         if lq == p.seq_len:
             o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -95,8 +111,22 @@ def run_planned_attention(
     return out
 
 
+def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    b = plan.decode_mask.shape[0]
+    n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k = _gather(k_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
+    v = _gather(v_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
+    q_dec = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+    o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=plan.additive_mask(q.dtype),
+                                       scale=scale, enable_gqa=True)
+    out[plan.decode_rows] = o.squeeze(2)
+
+
 class TorchPagedAttention:
     """Stateful form used by the model runner: `prepare` once per step, then call per layer."""
+
+    takes_new_kv = True
 
     def __init__(self) -> None:
         self._plan: TorchAttentionPlan | None = None
@@ -109,11 +139,12 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
         scale: float, max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("TorchPagedAttention.prepare must be called before each step")
         out = torch.empty_like(q) if out is None else out
-        return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out)
+        return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv)
 
 
 def paged_attention_torch(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata, write_kv_cache
 from engine.config import ModelConfig, RopeConfig
+from engine.models.linear import Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,11 +63,13 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, D]; looked up once per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +79,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderLayer:
     def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig):
-        self.qkv_weight = weights["qkv_weight"]
-        self.qkv_bias = weights.get("qkv_bias")
-        self.o_weight = weights["o_weight"]
-        self.o_bias = weights.get("o_bias")
-        self.gate_up_weight = weights["gate_up_weight"]
-        self.down_weight = weights["down_weight"]
+        self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
+        self.o_proj = Linear(weights["o_weight"], weights.get("o_bias"))
+        self.gate_up_proj = Linear(weights["gate_up_weight"])
+        self.down_proj = Linear(weights["down_weight"])
         self.input_norm = weights["input_norm"]
         self.post_attention_norm = weights["post_attention_norm"]
         self.eps = config.rms_norm_eps
@@ -91,25 +92,24 @@ class DecoderLayer:
         self.kv_size = self.n_kv * self.head_dim
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend
                 ) -> torch.Tensor:
         x = rms_norm(h, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = h.shape[0]
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q = apply_rope(q.view(t, self.n_heads, self.head_dim), *rope)
+        k = apply_rope(k.view(t, self.n_kv, self.head_dim), *rope)
+        v = v.view(t, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v.view(t, self.n_kv, self.head_dim), k_cache, v_cache, md.slot_mapping)
+        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
-                         max_seq_len=md.max_seq_len)
-        h = h + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+                         max_seq_len=md.max_seq_len, new_kv=(k, v))
+        h = h + self.o_proj(attn.reshape(t, self.q_size))
         x = rms_norm(h, self.post_attention_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaModel:
@@ -118,7 +118,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
         self.config = config
         self.embed = weights["embed"]
-        self.lm_head = weights.get("lm_head", self.embed)
+        self.lm_head = Linear(weights.get("lm_head", self.embed))
         self.norm = weights["norm"]
         self.layers = [DecoderLayer(weights_i, config) for weights_i in _split_layers(weights)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions,
@@ -133,10 +133,11 @@ class LlamaModel:
                 kv_caches: list[torch.Tensor], md: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer.forward(h, positions, self.rotary, kv_cache, md, attention)
+            h = layer.forward(h, rope, kv_cache, md, attention)
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
 
 def _split_layers(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

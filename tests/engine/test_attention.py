@@ -70,3 +70,28 @@ def test_unused_slots_do_not_leak_into_the_result():
         v_cache[last, s % 16 or 16:] = 1e4
     after = paged_attention_torch(*args, **kwargs)
     torch.testing.assert_close(after, before)
+
+
+def test_fresh_prompts_attend_this_steps_kv_without_reading_the_cache():
+    """The stateful torch backend attends a whole-prompt step from the new K/V it is handed."""
+    from engine.attention.torch_paged import TorchPagedAttention
+
+    q_lens, seq_lens = [1, 20, 9], [30, 20, 9]
+    args, kwargs = build_case(q_lens, seq_lens, 6, 2)
+    q, k_cache, v_cache, table, lens, starts = args
+    expected = paged_attention_reference(*args, **kwargs)
+    # This step's K/V for each row, read from the cache at each token's own position.
+    rows_k, rows_v = [], []
+    for i, (lq, s) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(s - lq, s):
+            block, offset = table[i, pos // 16].item(), pos % 16
+            rows_k.append(k_cache[block, offset])
+            rows_v.append(v_cache[block, offset])
+    new_kv = (torch.stack(rows_k), torch.stack(rows_v))
+    backend = TorchPagedAttention()
+    backend.prepare(table, q_lens, seq_lens, 16)
+    # Poison the fresh prompts' own blocks: the backend must not read them.
+    for i in (1, 2):
+        k_cache[table[i, : -(-seq_lens[i] // 16)].long()] = float("nan")
+    got = backend(*args, **kwargs, new_kv=new_kv)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,38 @@
+"""Linear layers with weights prepared once at load time for the device's fastest GEMM.
+
+On CPU the weight is reordered into oneDNN's blocked layout, which keeps small-batch (decode)
+matmuls near peak where a plain `F.linear` loses 2-4x; elsewhere it is a plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN picks the blocked layout for this many rows; any row count works with it afterwards.
+_PACK_BATCH_HINT = 64
+
+
+def onednn_usable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and weight.dtype in (torch.float32, torch.bfloat16))
+
+
+class Linear:
+    """y = x W^T + b, W of shape [out_features, in_features]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 pack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = pack and onednn_usable(weight)
+        if self.packed:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
+                                                                   _PACK_BATCH_HINT)
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
