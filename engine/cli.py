@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     prep = sub.add_parser("prepare-model", help="convert the shipped GGUF into the model cache")
     prep.add_argument("--force", action="store_true")
+    sub.add_parser("build-kernels", help="compile the native CPU attention kernel (cached)")
     return parser
 
 
@@ -111,6 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(prepare_default_model(force=args.force))
             return 0
+        if args.command == "build-kernels":
+            from engine.attention.cpu_kernel import load_cpu_kernel
+
+            kernel = load_cpu_kernel()
+            print(kernel.__file__ if kernel else "native CPU kernel unavailable (torch path used)")
+            return 0 if kernel else 1
         return run_generate(args)
     except (ModelPathError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

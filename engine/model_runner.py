@@ -20,6 +20,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
+class PreparedStep:
+    order: list[int]  # items[j] is SchedulerOutput.scheduled[order[j]]
+    items: list[ScheduledRequest]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_rows: torch.Tensor
+
+
+@dataclass
 class StepResult:
     sampled: list[int | None]  # one per scheduled request, in SchedulerOutput order
     logprobs: list[dict[int, float] | None]
@@ -71,23 +81,31 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.run(self.prepare_inputs(out))
+
+    def prepare_inputs(self, out: SchedulerOutput) -> PreparedStep:
+        """Host-side batch preparation: the ragged batch's tensors and the attention plan."""
         # Single-token decodes first: the attention backends batch them as one block.
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens != 1)
         items = [out.scheduled[i] for i in order]
         input_ids, positions, md, logits_rows = self._prepare(items)
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
-        logits = self.model.forward(input_ids, positions, self.kv_caches, md, self.attention,
-                                    torch.tensor(logits_rows, dtype=torch.int64,
-                                                 device=self.device))
-        sampling_items = [s for s in items if s.samples]
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        return PreparedStep(order, items, input_ids, positions, md, rows)
+
+    def run(self, step: PreparedStep) -> StepResult:
+        """The forward pass and sampling; results in SchedulerOutput order."""
+        logits = self.model.forward(step.input_ids, step.positions, self.kv_caches, step.metadata,
+                                    self.attention, step.logits_rows)
+        sampling_items = [s for s in step.items if s.samples]
         batch = SamplingBatch([s.request.params for s in sampling_items],
                               [len(s.request.output_token_ids) for s in sampling_items])
         tokens, logprobs = self.sampler(logits, batch) if sampling_items else ([], [])
-        sampled: list[int | None] = [None] * len(items)
-        lps: list[dict[int, float] | None] = [None] * len(items)
+        sampled: list[int | None] = [None] * len(step.items)
+        lps: list[dict[int, float] | None] = [None] * len(step.items)
         k = 0
-        for pos, item in zip(order, items):
+        for pos, item in zip(step.order, step.items):
             if item.samples:
                 sampled[pos], lps[pos] = tokens[k], logprobs[k]
                 k += 1

@@ -1,7 +1,8 @@
 """Paged attention for CPU (and any device) in plain torch: batched block gather + SDPA.
 
-Decode rows (one query each) are attended in a single batched SDPA call over K/V gathered through
-the block table (whole blocks, with `index_select` on rows of the flattened cache) and an additive
+Decode rows (one query each) go to the native CPU kernel (csrc/paged_decode.cpp), which reads K/V
+in place through the block table; without it, they are attended in one batched SDPA call over K/V
+gathered through the block table (`index_select` on rows of the flattened cache) with an additive
 key-length mask. Prefill and chunked-prefill sequences are attended one by one: a prompt computed
 whole in this step attends its own fresh K/V with `is_causal` (no gather at all); a chunk after a
 cached prefix gathers its blocks and uses a bottom-right causal mask. The plan (which rows are
@@ -12,10 +13,13 @@ it once per step for every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from engine.attention.cpu_kernel import load_cpu_kernel
 
 
 @dataclass
@@ -32,6 +36,8 @@ class TorchAttentionPlan:
     decode_blocks: torch.Tensor | None  # [B * nb] long: the decodes' block tables, flattened
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] bool, True = attend
     prefills: list[_Prefill]
+    decode_table: torch.Tensor | None = None  # [B, nb] int32, for the native kernel
+    decode_lens: torch.Tensor | None = None  # [B] int32
     _additive: dict[torch.dtype, torch.Tensor] | None = None
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -66,16 +72,16 @@ def plan_attention(
     rows: torch.Tensor | slice
     if decode_idx == list(range(len(decode_idx))):  # the usual layout: decodes first
         rows = slice(0, len(decode_idx))
-        blocks = block_table[: len(decode_idx), :num_blocks].long()
-        lens = torch.tensor(seq_lens[: len(decode_idx)], device=device)
+        table = block_table[: len(decode_idx), :num_blocks]
     else:
         seq_index = torch.tensor(decode_idx, device=device)
         rows = torch.tensor([starts[i] for i in decode_idx], device=device)
-        blocks = block_table.index_select(0, seq_index)[:, :num_blocks].long()
-        lens = torch.tensor([seq_lens[i] for i in decode_idx], device=device)
+        table = block_table.index_select(0, seq_index)[:, :num_blocks]
+    lens = torch.tensor([seq_lens[i] for i in decode_idx], dtype=torch.int32, device=device)
     positions = torch.arange(num_blocks * block_size, device=device)
     mask = (positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-    return TorchAttentionPlan(rows, blocks.reshape(-1), mask, prefills)
+    return TorchAttentionPlan(rows, table.reshape(-1).long(), mask, prefills,
+                              table.contiguous(), lens)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -87,10 +93,13 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def run_planned_attention(
     plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale: float, out: torch.Tensor,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, native: ModuleType | None = None,
 ) -> torch.Tensor:
     if plan.decode_blocks is not None:
-        _attend_decodes(plan, q, k_cache, v_cache, scale, out)
+        if native is not None and q.device.type == "cpu":
+            _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out)
+        else:
+            _attend_decodes(plan, q, k_cache, v_cache, scale, out)
     for p in plan.prefills:
         lq = p.q_end - p.q_start
         q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
@@ -123,13 +132,33 @@ def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Te
     out[plan.decode_rows] = o.squeeze(2)
 
 
+def _attend_decodes_native(native: ModuleType, plan: TorchAttentionPlan, q: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                           out: torch.Tensor) -> None:
+    """The native kernel reads K/V in place through the block table: no gather copy."""
+    rows = plan.decode_rows
+    if isinstance(rows, slice):  # views: the kernel writes straight into `out`
+        native.paged_decode_attention(q[rows], k_cache, v_cache, plan.decode_table,
+                                      plan.decode_lens, scale, out[rows])
+        return
+    result = torch.empty((len(rows), *q.shape[1:]), dtype=q.dtype, device=q.device)
+    native.paged_decode_attention(q[rows], k_cache, v_cache, plan.decode_table, plan.decode_lens,
+                                  scale, result)
+    out[rows] = result
+
+
 class TorchPagedAttention:
     """Stateful form used by the model runner: `prepare` once per step, then call per layer."""
 
     takes_new_kv = True
 
-    def __init__(self) -> None:
+    def __init__(self, native_decode: bool = True) -> None:
         self._plan: TorchAttentionPlan | None = None
+        self._native = load_cpu_kernel() if native_decode else None
+
+    @property
+    def uses_native_decode(self) -> bool:
+        return self._native is not None
 
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
@@ -144,7 +173,8 @@ class TorchPagedAttention:
         if self._plan is None:
             raise RuntimeError("TorchPagedAttention.prepare must be called before each step")
         out = torch.empty_like(q) if out is None else out
-        return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv)
+        return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv,
+                                     self._native)
 
 
 def paged_attention_torch(

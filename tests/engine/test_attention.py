@@ -95,3 +95,20 @@ def test_fresh_prompts_attend_this_steps_kv_without_reading_the_cache():
         k_cache[table[i, : -(-seq_lens[i] // 16)].long()] = float("nan")
     got = backend(*args, **kwargs, new_kv=new_kv)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-decode", "sdpa-decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["decode", "mixed", "decodes_not_first"])
+def test_stateful_backend_decode_paths_match_reference(native, dtype, name):
+    from engine.attention.torch_paged import TorchPagedAttention
+
+    backend = TorchPagedAttention(native_decode=native)
+    assert backend.uses_native_decode == native  # CI has a C++ compiler: the kernel must build
+    q_lens, seq_lens = CASES[name]
+    args, kwargs = build_case(q_lens, seq_lens, 9, 3, head_dim=64, dtype=dtype)
+    expected = paged_attention_reference(*args, **kwargs).float()
+    backend.prepare(args[3], q_lens, seq_lens, 16)
+    got = backend(*args, **kwargs).float()
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
