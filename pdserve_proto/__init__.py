@@ -1,0 +1,1 @@
+"""Stubs generated from proto/pdserve_proto by scripts/gen_proto.py."""
