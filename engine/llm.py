@@ -31,6 +31,11 @@ class LLM:
                                   cache=CacheConfig(kv_cache_gb=kv_cache_gb))
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        self._batches = 0
+
+    def _batch_prefix(self) -> str:
+        self._batches += 1
+        return f"batch{self._batches}"
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -60,12 +65,18 @@ class LLM:
         batch = _as_prompt_list(prompts)
         per_prompt = _as_params_list(params, len(batch))
         engine = self.engine
+        ids.extend(f"{self._batch_prefix()}-{i}" for i in range(len(batch)))
+        # The whole batch is known up front, so admit the longest generations first (LPT order):
+        # their long decode tails then overlap the other prompts' prefill instead of running
+        # alone at the end. Outputs keep the prompts' order; no request's tokens change.
+        order = sorted(range(len(batch)), key=lambda i: -per_prompt[i].max_tokens)
         try:
-            for prompt, p in zip(batch, per_prompt):
-                ids.append(engine.add_request(prompt, p))
+            for i in order:
+                engine.add_request(batch[i], per_prompt[i], request_id=ids[i])
         except ValueError:
             for request_id in ids:  # leave the engine as it was
                 engine.abort(request_id)
+            del ids[:]
             raise
         try:
             while engine.has_unfinished_requests():
