@@ -1,0 +1,113 @@
+"""Pair process groups: two ranks (0 = receiver, which hosts the store; 1 = sender)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+RECEIVER_RANK = 0
+SENDER_RANK = 1
+
+
+class TransferError(RuntimeError):
+    """A transfer failed or timed out; the pair it used has been torn down."""
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The receiver's rendezvous store (port 0 picks a free port: read `store.port`)."""
+    return dist.TCPStore(host, port, is_master=True, timeout=_timedelta(timeout_s),
+                         wait_for_workers=False)
+
+
+def connect_store(address: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=_timedelta(timeout_s),
+                         wait_for_workers=False)
+
+
+@dataclass
+class PairGroup:
+    """A two-rank process group for one (sender, receiver) pair and one generation of it."""
+
+    key: str
+    generation: int
+    rank: int
+    group: dist.ProcessGroup
+    device: torch.device
+
+    @property
+    def peer(self) -> int:
+        return SENDER_RANK if self.rank == RECEIVER_RANK else RECEIVER_RANK
+
+    @classmethod
+    def create(cls, store: dist.Store, key: str, generation: int, rank: int,
+               device: torch.device, host: str, timeout_s: float) -> PairGroup:
+        """Rendezvous with the peer (which must call this too, with the other rank).
+
+        `timeout_s` bounds the rendezvous and is the group's default; each transfer passes its
+        own, shorter bound to `Work.wait`."""
+        prefix = dist.PrefixStore(f"pair/{key}/{generation}", store)
+        timeout = _timedelta(timeout_s)
+        if backend_for(device) == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefix, rank, 2, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            group = dist.ProcessGroupGloo(prefix, rank, 2, options)
+        return cls(key, generation, rank, group, device)
+
+
+class PairRegistry:
+    """This worker's pair groups, by pair key. A broken pair is torn down; its replacement is
+    created on next use with the next generation number (the sender names the generation in its
+    control message, so both sides rendezvous under the same store prefix)."""
+
+    def __init__(self, rank: int, device: torch.device, host: str,
+                 rendezvous_timeout_s: float = 30.0):
+        self.rank = rank
+        self.device = device
+        self.host = host
+        self.timeout_s = rendezvous_timeout_s
+        self._pairs: dict[str, PairGroup] = {}
+        self._next_generation: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def get(self, store: dist.Store, key: str, generation: int) -> PairGroup:
+        with self._lock:
+            pair = self._pairs.get(key)
+            if pair is not None and pair.generation == generation:
+                return pair
+            pair = PairGroup.create(store, key, generation, self.rank, self.device, self.host,
+                                    self.timeout_s)
+            self._pairs[key] = pair
+            self._next_generation[key] = generation + 1
+            return pair
+
+    def current_generation(self, key: str) -> int:
+        """The generation a sender should name for `key`: the live pair's, else a fresh one."""
+        with self._lock:
+            pair = self._pairs.get(key)
+            return pair.generation if pair is not None else self._next_generation.get(key, 0)
+
+    def tear_down(self, key: str) -> None:
+        """Forget a broken pair; the next `get` rendezvouses anew under the next generation."""
+        with self._lock:
+            self._pairs.pop(key, None)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._pairs

@@ -1,0 +1,44 @@
+"""The KV-transfer path on its own: two real processes, real gloo, a TCPStore rendezvous hosted by
+the receiver, per-layer packing, bounded waits, and a broken pair rebuilt on next use."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from tests.cluster import kv_peers
+
+
+def run_pair(plan: list[str]) -> list[tuple]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    recv = ctx.Process(target=kv_peers.receiver, args=(queue, plan), daemon=True)
+    recv.start()
+    kind, port = queue.get(timeout=60)
+    assert kind == "port"
+    send = ctx.Process(target=kv_peers.sender, args=(port, plan), daemon=True)
+    send.start()
+    results = [queue.get(timeout=60) for _ in plan]
+    for proc in (send, recv):
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            pytest.fail(f"{proc.name} did not exit")
+    assert recv.exitcode == 0 and send.exitcode == 0
+    return results
+
+
+def test_blocks_arrive_intact_at_the_receivers_own_block_ids():
+    (result,) = run_pair(["recv"])
+    assert result[0] == "ok"
+    assert result[2] == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)
+    layer_bytes = 2 * len(kv_peers.DST_BLOCKS) * kv_peers.BLOCK_SIZE * kv_peers.KV_HEADS * 8 * 4
+    assert result[3] == kv_peers.LAYERS * layer_bytes
+
+
+def test_timeout_when_the_peer_never_sends_then_the_rebuilt_pair_works():
+    timeout, again = run_pair(["timeout", "recv"])
+    assert timeout[0] == "error" and "timed out" in timeout[2]
+    assert again[0] == "ok"
+    assert again[2] == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)
