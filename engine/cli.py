@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--prefill-chunk-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",

@@ -173,9 +173,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step limits. `prefill_chunk_size` caps the prompt tokens one request gets in one step."""
+    """Per-step limits. `prefill_chunk_size` caps the prompt tokens one request gets in one step.
 
-    max_num_batched_tokens: int = 2048
+    512 batched tokens keep CPU matmuls near their peak while bounding how long running decodes
+    wait behind a prefill chunk (measured: same offline throughput as 2048, shorter stalls)."""
+
+    max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
     prefill_chunk_size: int | None = None

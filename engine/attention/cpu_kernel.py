@@ -42,7 +42,7 @@ def load_cpu_kernel() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         return load(name=extension_name(), sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         log.warning("native CPU decode attention unavailable, using the torch path: %s", exc)

@@ -1,0 +1,87 @@
+"""Shared helpers for the offline benchmarks: workload loading, percentiles, RSS, child results."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+from pathlib import Path
+from typing import Any
+
+DEFAULT_WORKLOAD = "/work/shared/bench/offline_mixed.jsonl"
+PERCENTILES = (50, 90, 99)
+
+Row = dict[str, Any]
+
+
+def load_workload(path: str | Path) -> list[Row]:
+    """Rows of {"id", "prompt", "prompt_token_ids", "max_tokens", "ignore_eos"}, in file order."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"workload {str(path)!r} is empty")
+    return rows
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); NaN for an empty list."""
+    if not values:
+        return float("nan")
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def latency_stats(token_times: dict[str, list[float]], start: float) -> dict[str, float]:
+    """TTFT (start → first token) and inter-token gaps, pooled over requests, in milliseconds."""
+    ttft = [(times[0] - start) * 1e3 for times in token_times.values() if times]
+    itl = [
+        (b - a) * 1e3
+        for times in token_times.values()
+        for a, b in zip(times, times[1:])
+    ]
+    stats: dict[str, float] = {}
+    for q in PERCENTILES:
+        stats[f"ttft_p{q}"] = percentile(ttft, q)
+        stats[f"itl_p{q}"] = percentile(itl, q)
+    return stats
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def loadavg_1m() -> float:
+    return os.getloadavg()[0]
+
+
+def summarize_runs(system: str, dtype: str, runs: list[dict[str, Any]],
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Child result: every run, the median tok/s, and the latencies of the median run."""
+    rates = [r["tok_s"] for r in runs]
+    median = statistics.median(rates)
+    median_run = min(runs, key=lambda r: abs(r["tok_s"] - median))
+    result: dict[str, Any] = {
+        "system": system,
+        "dtype": dtype,
+        "runs": runs,
+        "tok_s_median": median,
+        "latency": median_run.get("latency", {}),
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    if all("length_mismatches" in r for r in runs):
+        result["length_mismatches"] = sum(r["length_mismatches"] for r in runs)
+    result.update(extra or {})
+    return result
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(payload, indent=1, default=str))
+
+
+def check_lengths(rows: list[Row], lengths: dict[str, int]) -> list[str]:
+    """Row ids whose generated length differs from their max_tokens (empty when all match)."""
+    return [r["id"] for r in rows if lengths.get(r["id"]) != r["max_tokens"]]
