@@ -1,0 +1,1 @@
+"""The gRPC front door (no torch): registry, placement, detokenization, deadlines."""

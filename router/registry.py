@@ -1,0 +1,106 @@
+"""Worker registry: who is serving, their last reported load, and who stopped heartbeating.
+
+Plain Python (the router imports no torch). Time comes from an injectable clock for tests.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # prefill and decode in one worker
+
+    def can_prefill(self) -> bool:
+        return self in (Role.PREFILL, Role.COLOCATED)
+
+    def can_decode(self) -> bool:
+        return self in (Role.DECODE, Role.COLOCATED)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    queued_prompt_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: Role
+    address: str
+    block_size: int
+    max_model_len: int
+    transfer_host: str = "127.0.0.1"
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_heartbeat: float = 0.0
+    draining: bool = False
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout_s: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._lock = threading.Lock()
+
+    def register(self, worker: Worker) -> None:
+        with self._lock:
+            worker.last_heartbeat = self._clock()
+            self._workers[worker.worker_id] = worker
+
+    def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False) -> bool:
+        """Record a worker's load; False when the worker is unknown (it must register again)."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return False
+            worker.load = load
+            worker.draining = draining
+            worker.last_heartbeat = self._clock()
+            return True
+
+    def remove(self, worker_id: str) -> Worker | None:
+        with self._lock:
+            return self._workers.pop(worker_id, None)
+
+    def drop_dead(self) -> list[Worker]:
+        """Forget workers whose last heartbeat is older than the timeout; return them."""
+        now = self._clock()
+        with self._lock:
+            dead = [w for w in self._workers.values()
+                    if now - w.last_heartbeat > self.heartbeat_timeout_s]
+            for worker in dead:
+                del self._workers[worker.worker_id]
+        return dead
+
+    def get(self, worker_id: str) -> Worker | None:
+        with self._lock:
+            return self._workers.get(worker_id)
+
+    def snapshot(self) -> list[Worker]:
+        """Copies of every known worker (safe to read without the lock)."""
+        with self._lock:
+            return [replace(w) for w in self._workers.values()]
+
+    def placeable(self, can: Callable[[Role], bool]) -> list[Worker]:
+        """Live, non-draining workers whose role passes `can` (copies)."""
+        now = self._clock()
+        return [w for w in self.snapshot()
+                if can(w.role) and not w.draining
+                and now - w.last_heartbeat <= self.heartbeat_timeout_s]
+
+    def seconds_since_heartbeat(self, worker: Worker) -> float:
+        return self._clock() - worker.last_heartbeat
