@@ -22,11 +22,9 @@ class LLM:
                  config: EngineConfig | None = None, kv_cache_gb: float | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None):
         if config is None:
-            sched = SchedulerConfig()
-            sched = SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens or sched.max_num_batched_tokens,
-                max_num_seqs=max_num_seqs or sched.max_num_seqs,
-            )
+            limits = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
+                                        ("max_num_seqs", max_num_seqs)) if v is not None}
+            sched = SchedulerConfig(**limits)
             config = EngineConfig(model=model, dtype=dtype, scheduler=sched,
                                   cache=CacheConfig(kv_cache_gb=kv_cache_gb))
         self.engine = LLMEngine(config)

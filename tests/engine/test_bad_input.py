@@ -84,8 +84,7 @@ def test_duplicate_request_id(engine):
 
 def test_bad_model_paths(tmp_path, tiny_llama_dir):
     with pytest.raises(ModelPathError, match="does not exist"):
-        EngineConfig(model=str(tmp_path / "nope")) and LLMEngine(
-            EngineConfig(model=str(tmp_path / "nope")))
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
     with pytest.raises(ModelPathError, match="no config.json"):
         LLMEngine(EngineConfig(model=str(tmp_path)))
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
