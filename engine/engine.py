@@ -71,15 +71,20 @@ class LLMEngine:
         """Validate and queue a request; ValueError (engine unchanged) on bad input."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        token_ids = self.tokenize(prompt)
+        request = self.new_request(self.tokenize(prompt), params, request_id)
+        self.scheduler.add(request)
+        return request_id
+
+    def new_request(self, token_ids: list[int], params: SamplingParams,
+                    request_id: str) -> Request:
+        """A validated request that is not queued yet (ValueError on bad input)."""
         self.validate(token_ids, params)
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
         request.text_stream = self.tokenizer.text_stream(token_ids, params.skip_special_tokens)
-        self.scheduler.add(request)
-        return request_id
+        return request
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -122,6 +127,32 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
         return None if request is None else self._output(request, [])
+
+    # ---- disaggregated prefill/decode -----------------------------------------------------
+    def reserve(self, request: Request) -> bool:
+        """Allocate blocks for the prompt's KV, which a transfer will write; False (nothing
+        allocated) when they do not fit."""
+        return self.block_manager.allocate_slots(request, request.num_prompt_tokens)
+
+    def admit_prefilled(self, request: Request, first_token: int,
+                        logprobs: dict[int, float] | None = None) -> RequestOutput:
+        """The prompt's KV sits in the reserved blocks and the prefill worker sampled the first
+        token: the request decodes from the next step on (or finishes here)."""
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.block_manager.cache_full_blocks(request)
+        text = request.append_token(first_token, logprobs)
+        self.scheduler.add_running(request)
+        if request.check_stop(text):
+            self.scheduler.finish(request, request.finish_reason)
+        return self._output(request, [first_token])
+
+    def detach(self, request_id: str) -> Request:
+        """Stop scheduling a request but keep its blocks (its KV is being shipped)."""
+        return self.scheduler.detach(request_id)
+
+    def release(self, request: Request) -> None:
+        """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
+        self.block_manager.free(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -75,6 +75,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    DETACHED = "detached"  # out of the scheduler, blocks still held (its KV is being shipped)
 
     @property
     def finished(self) -> bool:

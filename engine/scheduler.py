@@ -86,12 +86,23 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.running.append(request)
 
+    def detach(self, request_id: str) -> Request:
+        """Take a running request out of scheduling but keep its blocks: a prefill worker ships
+        its KV and frees the blocks (`block_manager.free`) once the receiver acknowledges."""
+        request = self.requests.pop(request_id)
+        if request.status is not RequestStatus.RUNNING:
+            self.requests[request_id] = request
+            raise RuntimeError(f"request {request_id} is {request.status.value}, not running")
+        self.running.remove(request)
+        request.status = RequestStatus.DETACHED
+        return request
+
     def abort(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks. Unknown ids are ignored."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, FinishReason.ABORT)
+        self.finish(request, FinishReason.ABORT)
         return request
 
     def has_unfinished(self) -> bool:
@@ -187,11 +198,11 @@ class Scheduler:
             text = request.append_token(token, logprobs[i] if logprobs else None)
             stop = request.check_stop(text)
             if stop:
-                self._finish(request, request.finish_reason or FinishReason.STOP)
+                self.finish(request, request.finish_reason or FinishReason.STOP)
             updates.append(RequestUpdate(request, [token], text, stop))
         return updates
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:

@@ -332,6 +332,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReceiveKV = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/ReceiveKV',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
                 request_serializer=pdserve__proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
@@ -355,8 +360,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReceiveKV(self, request, context):
+        """Called by the prefill worker right before it sends a reserved request's KV over the pair
+        process group; returns once the KV is written into the reserved blocks (the acknowledgement
+        after which the prefill worker frees its own blocks).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Decode(self, request, context):
-        """Stream the request's tokens once its KV has arrived.
+        """Stream the request's tokens: after Reserve + ReceiveKV when first_token_id is set
+        (disaggregated), else the whole generation from the prompt (colocated mode).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -376,6 +391,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.ReserveRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReceiveKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveKV,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -416,6 +436,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Reserve',
             pdserve__proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/ReceiveKV',
+            pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,11 +35,12 @@ class PlacementPolicy:
     def free_blocks(self, worker: Worker) -> int:
         return worker.load.free_blocks - self._pending_blocks[worker.worker_id]
 
-    def place_prefill(self, prompt_tokens: int, exclude: frozenset[str] = frozenset()
+    def place_prefill(self, prompt_tokens: int, exclude: frozenset[str] = frozenset(),
+                      roles: tuple[Role, ...] = (Role.PREFILL, Role.COLOCATED)
                       ) -> tuple[Worker, Charge] | None:
         """The prefill worker with the least queued prompt tokens (ties: fewest running)."""
         with self._lock:
-            candidates = [w for w in self.registry.placeable(Role.can_prefill)
+            candidates = [w for w in self.registry.placeable(lambda r: r in roles)
                           if w.worker_id not in exclude]
             if not candidates:
                 return None
@@ -48,13 +49,14 @@ class PlacementPolicy:
             self._pending_tokens[best.worker_id] += prompt_tokens
             return best, Charge(best.worker_id, prompt_tokens=prompt_tokens)
 
-    def place_decode(self, total_tokens: int, exclude: frozenset[str] = frozenset()
+    def place_decode(self, total_tokens: int, exclude: frozenset[str] = frozenset(),
+                     roles: tuple[Role, ...] = (Role.DECODE, Role.COLOCATED)
                      ) -> tuple[Worker, Charge] | None:
         """The decode worker with the most free blocks among those that can hold
         `total_tokens` (prompt + max_tokens) of KV; None when none can."""
         with self._lock:
             fits = []
-            for w in self.registry.placeable(Role.can_decode):
+            for w in self.registry.placeable(lambda r: r in roles):
                 need = -(-total_tokens // w.block_size)
                 if w.worker_id not in exclude and self.free_blocks(w) >= need \
                         and total_tokens <= w.max_model_len:

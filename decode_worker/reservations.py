@@ -1,0 +1,103 @@
+"""Reserved blocks waiting for a prompt's KV, each under a lease. Plain Python: the decode
+policy calls into it from the engine-loop thread only."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+class LeaseState(enum.Enum):
+    RESERVED = "reserved"  # blocks held, waiting for the KV transfer to start
+    RECEIVING = "receiving"  # a transfer is writing into the blocks: they must not be freed
+    READY = "ready"  # KV written, waiting for the Decode call that admits the request
+
+
+@dataclass
+class Reservation:
+    request: Request
+    lease_s: float
+    expires_at: float
+    state: LeaseState = LeaseState.RESERVED
+    aborted: bool = False  # abort arrived while RECEIVING: free once the transfer is done
+
+
+class ReservationTable:
+    def __init__(self, release: Callable[[Request], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self._release = release
+        self._clock = clock
+        self._table: dict[str, Reservation] = {}
+        self.num_expired = 0
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._table
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, request: Request, lease_s: float) -> None:
+        self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
+
+    def begin_receive(self, request_id: str) -> Request:
+        """Pause the lease while a transfer writes into the blocks."""
+        reservation = self._get(request_id)
+        if reservation.state is not LeaseState.RESERVED:
+            raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
+        reservation.state = LeaseState.RECEIVING
+        return reservation.request
+
+    def end_receive(self, request_id: str, ok: bool) -> bool:
+        """The transfer finished. On success the lease restarts (the Decode call must follow);
+        on failure, or if an abort came meanwhile, the blocks are freed. True if still held."""
+        reservation = self._get(request_id)
+        if not ok or reservation.aborted:
+            self._drop(request_id)
+            return False
+        reservation.state = LeaseState.READY
+        reservation.expires_at = self._clock() + reservation.lease_s
+        return True
+
+    def take_ready(self, request_id: str) -> Request:
+        """Hand a request whose KV has arrived to the scheduler (the table forgets it)."""
+        reservation = self._get(request_id)
+        if reservation.state is not LeaseState.READY:
+            raise KeyError(f"request {request_id!r} has no KV yet ({reservation.state.value})")
+        del self._table[request_id]
+        return reservation.request
+
+    def abort(self, request_id: str) -> bool:
+        reservation = self._table.get(request_id)
+        if reservation is None:
+            return False
+        if reservation.state is LeaseState.RECEIVING:
+            reservation.aborted = True  # the writer still uses the blocks
+        else:
+            self._drop(request_id)
+        return True
+
+    def expire(self) -> list[str]:
+        """Free reservations whose lease ran out (never while a transfer writes)."""
+        now = self._clock()
+        expired = [rid for rid, r in self._table.items()
+                   if r.state is not LeaseState.RECEIVING and now >= r.expires_at]
+        for rid in expired:
+            self._drop(rid)
+        self.num_expired += len(expired)
+        return expired
+
+    def requests(self) -> list[Request]:
+        return [r.request for r in self._table.values()]
+
+    def _get(self, request_id: str) -> Reservation:
+        reservation = self._table.get(request_id)
+        if reservation is None:
+            raise KeyError(f"no reservation for request {request_id!r} (expired or aborted)")
+        return reservation
+
+    def _drop(self, request_id: str) -> None:
+        self._release(self._table.pop(request_id).request)

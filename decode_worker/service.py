@@ -1,0 +1,100 @@
+"""DecodeWorker gRPC servicer: translates proto <-> DecodeWorker calls, nothing more."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from decode_worker.worker import DecodeWorker, NoRoom
+from engine.engine import RequestOutput
+from kv_transfer import TransferError
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.convert import (
+    finish_reason_to_proto,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    stop_reason_to_proto,
+)
+
+SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+
+
+class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
+                ) -> pb.ReserveResponse:
+        if not request.lease_s > 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"lease_s must be > 0, got {request.lease_s}")
+        try:
+            params = sampling_from_proto(request.sampling)
+            reserved = self.worker.reserve(request.request_id, list(request.prompt_token_ids),
+                                           params, request.lease_s)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoRoom as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {exc}")
+        return pb.ReserveResponse(block_ids=reserved.block_ids,
+                                  transfer_address=reserved.transfer_address,
+                                  decode_worker_id=self.worker.worker_id)
+
+    def ReceiveKV(self, request: pb.ReceiveKVRequest, context: grpc.ServicerContext
+                  ) -> pb.ReceiveKVResponse:
+        try:
+            stats = self.worker.receive_kv(request.request_id, request.sender_id,
+                                           request.generation, request.tag, request.num_blocks,
+                                           request.dtype)
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TransferError as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return pb.ReceiveKVResponse(num_bytes=stats.num_bytes, seconds=stats.seconds)
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
+               ) -> Iterator[pb.TokenChunk]:
+        rid = request.request_id
+        try:
+            if request.HasField("first_token_id"):
+                first_lp = (logprob_from_proto(request.first_logprob)
+                            if request.HasField("first_logprob") else None)
+                outputs = self.worker.admit(rid, request.first_token_id, first_lp)
+            else:
+                outputs = self.worker.generate(rid, list(request.prompt_token_ids),
+                                               sampling_from_proto(request.sampling))
+        except KeyError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
+        # the id is unknown and the abort is a no-op.
+        context.add_callback(lambda: self.worker.abort_later(rid))
+        try:
+            for output in outputs:
+                yield _chunk(output)
+        except TimeoutError as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended: {exc}")
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
+              ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.worker.abort(request.request_id))
+
+
+def _chunk(output: RequestOutput) -> pb.TokenChunk:
+    chunk = pb.TokenChunk(token_ids=output.new_token_ids)
+    if output.logprobs is not None:
+        offset = len(output.token_ids) - len(output.new_token_ids)
+        chunk.logprobs.extend(logprob_to_proto(t, output.logprobs[offset + i])
+                              for i, t in enumerate(output.new_token_ids))
+    if output.finished:
+        chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
+        chunk.stop_reason = stop_reason_to_proto(output.stop_reason)
+    return chunk

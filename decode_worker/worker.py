@@ -1,0 +1,170 @@
+"""The decode worker's policy over the shared engine loop: reservations under leases, KV arrival,
+admission into the running batch, and colocated generation. Every engine access runs on the loop
+thread (through `loop.call`); KV bytes are received on the caller's thread into reserved blocks."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from decode_worker.reservations import ReservationTable
+from engine.engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+from kv_transfer import KVReceiver, TransferError, TransferStats
+from serving.loop import EngineLoop
+from serving.options import WorkerOptions
+
+log = logging.getLogger(__name__)
+COMMAND_TIMEOUT_S = 30.0  # a loop command waits at most one long step plus the queue ahead
+
+
+class NoRoom(Exception):
+    """Not enough free KV blocks for the reservation."""
+
+
+@dataclass(frozen=True)
+class ReservedBlocks:
+    block_ids: list[int]
+    transfer_address: str
+
+
+class DecodePolicy:
+    def __init__(self, table: ReservationTable):
+        self.table = table
+
+    def before_step(self, engine: LLMEngine) -> None:
+        for request_id in self.table.expire():
+            log.warning("reservation of %s expired before its KV arrived; blocks freed",
+                        request_id)
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        pass
+
+
+class DecodeWorker:
+    def __init__(self, engine: LLMEngine, options: WorkerOptions):
+        self.options = options
+        self.worker_id = options.worker_id
+        self.table = ReservationTable(release=engine.release)
+        self.loop = EngineLoop(engine, DecodePolicy(self.table))
+        self.receiver = KVReceiver(options.worker_id, options.host, torch.device("cpu"),
+                                   options.transfer_timeout_s)
+        self.transfer_address = f"{options.public_host}:{self.receiver.port}"
+
+    # ---- disaggregated path ----------------------------------------------------------------
+    def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                lease_s: float) -> ReservedBlocks:
+        """ValueError on bad input, NoRoom when the blocks do not fit right now."""
+
+        def run(engine: LLMEngine) -> list[int]:
+            if request_id in self.table:
+                raise ValueError(f"request_id {request_id!r} already holds a reservation")
+            request = engine.new_request(token_ids, params, request_id)
+            if not engine.reserve(request):
+                raise NoRoom(f"{engine.block_manager.blocks_needed(len(token_ids))} KV blocks "
+                             f"needed, {engine.block_manager.num_free_blocks} free")
+            self.table.add(request, lease_s)
+            return list(request.block_ids)
+
+        return ReservedBlocks(self.loop.call(run, COMMAND_TIMEOUT_S), self.transfer_address)
+
+    def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
+                   num_blocks: int, dtype: str) -> TransferStats:
+        """Receive the prompt's KV into the reserved blocks (KeyError: no such reservation;
+        ValueError: shape/dtype mismatch; TransferError: the transfer failed)."""
+        engine = self.loop.engine
+        try:
+            request = self.loop.call(lambda e: self.table.begin_receive(request_id),
+                                     COMMAND_TIMEOUT_S)
+            _check_shape(engine, request.block_ids, num_blocks, dtype)
+        except (KeyError, ValueError) as exc:
+            self.receiver.refuse(sender_id, generation, tag, str(exc))
+            if request_id in self.table:
+                self.loop.post(lambda e: self.table.end_receive(request_id, ok=False))
+            raise
+        ok = False
+        try:
+            stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
+                                          list(request.block_ids))
+            ok = True
+            return stats
+        finally:
+            held = self.loop.call(lambda e: self.table.end_receive(request_id, ok),
+                                  COMMAND_TIMEOUT_S)
+            if ok and not held:
+                raise TransferError(f"request {request_id!r} was aborted during its transfer")
+
+    def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None
+              ) -> Iterator[RequestOutput]:
+        """Start decoding a request whose KV arrived; yields its outputs (first token first)."""
+        outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+        def run(engine: LLMEngine) -> None:
+            request = self.table.take_ready(request_id)
+            self.loop.sinks[request_id] = outputs.put
+            first = engine.admit_prefilled(request, first_token, logprobs)
+            if first.finished:  # the caller already has the first token; only the end is news
+                self.loop.deliver(first)
+
+        self.loop.call(run, COMMAND_TIMEOUT_S)
+        return _drain(outputs)
+
+    # ---- colocated path --------------------------------------------------------------------
+    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams
+                 ) -> Iterator[RequestOutput]:
+        """The whole generation on this worker (prefill + decode): the colocated baseline."""
+        outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+        def run(engine: LLMEngine) -> None:
+            request = engine.new_request(token_ids, params, request_id)
+            self.loop.sinks[request_id] = outputs.put
+            engine.scheduler.add(request)
+
+        self.loop.call(run, COMMAND_TIMEOUT_S)
+        return _drain(outputs)
+
+    # ---- both ------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        return self.loop.call(lambda e: self._abort_on_loop(e, request_id), COMMAND_TIMEOUT_S)
+
+    def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
+        found = self.table.abort(request_id)
+        if engine.abort(request_id) is not None:
+            self.loop.deliver(RuntimeError("aborted"), request_id)
+            found = True
+        return found
+
+    def abort_later(self, request_id: str) -> None:
+        """Abort without waiting (safe from gRPC callbacks)."""
+        self.loop.post(lambda e: self._abort_on_loop(e, request_id))
+
+    def close(self) -> None:
+        self.loop.stop()
+
+
+def _check_shape(engine: LLMEngine, block_ids: list[int], num_blocks: int, dtype: str) -> None:
+    if num_blocks != len(block_ids):
+        raise ValueError(f"num_blocks is {num_blocks} but {len(block_ids)} blocks are reserved")
+    ours = str(engine.dtype).removeprefix("torch.")
+    if dtype != ours:
+        raise ValueError(f"dtype {dtype!r} does not match this worker's KV cache ({ours})")
+
+
+STALL_TIMEOUT_S = 300.0  # no output for this long means the loop is stuck: give up
+
+
+def _drain(outputs: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:
+    while True:
+        try:
+            item = outputs.get(timeout=STALL_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError(f"no output for {STALL_TIMEOUT_S:.0f}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return

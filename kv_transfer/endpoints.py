@@ -1,0 +1,126 @@
+"""The two ends of a request's KV transfer, over pair groups (no gRPC here: the prefill worker
+starts the decode worker's receive with a control RPC, then calls `KVSender.send`).
+
+Protocol for one transfer on pair `key` = "{sender}->{receiver}":
+1. the sender names the pair's generation and a fresh tag in its control message;
+2. the receiver checks the request, then writes `ready/{key}/{generation}/{tag}` = "ok" or an
+   error into its own rendezvous store;
+3. the sender waits for that key (bounded) and, on "ok", rendezvouses (new pairs only) and sends
+   each packed layer; the receiver receives and writes the blocks into its cache.
+Any failure tears the pair down on that side; both sides rebuild it under the next generation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.packing import pack_blocks, packed_shapes, unpack_blocks
+from kv_transfer.pair import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    PairRegistry,
+    TransferError,
+    connect_store,
+    host_store,
+)
+from kv_transfer.transfer import TransferStats, receive_blocks, send_blocks
+
+
+def pair_key(sender_id: str, receiver_id: str) -> str:
+    return f"{sender_id}->{receiver_id}"
+
+
+def _ready_key(key: str, generation: int, tag: int) -> str:
+    return f"ready/{key}/{generation}/{tag}"
+
+
+class KVReceiver:
+    """Decode side: hosts the rendezvous store and receives into its KV cache."""
+
+    def __init__(self, worker_id: str, host: str, device: torch.device, timeout_s: float):
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self.store = host_store(host, 0, timeout_s)
+        self.registry = PairRegistry(RECEIVER_RANK, device, host, timeout_s)
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def refuse(self, sender_id: str, generation: int, tag: int, reason: str) -> None:
+        """Tell a waiting sender not to send (the request is unknown or its blocks are gone)."""
+        key = pair_key(sender_id, self.worker_id)
+        self.store.set(_ready_key(key, generation, tag), f"error: {reason}"[:500])
+
+    def receive(self, sender_id: str, generation: int, tag: int,
+                kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> TransferStats:
+        """Receive one request's blocks into `block_ids` of `kv_caches` (bounded waits)."""
+        key = pair_key(sender_id, self.worker_id)
+        self.store.set(_ready_key(key, generation, tag), "ok")
+        try:
+            pair = self.registry.get(self.store, key, generation)
+            layers, stats = receive_blocks(pair, tag, packed_shapes(kv_caches, len(block_ids)),
+                                           kv_caches[0].dtype, self.timeout_s)
+        except (TransferError, RuntimeError) as exc:
+            self.registry.tear_down(key)
+            raise TransferError(f"receiving KV from {sender_id}: {exc}") from exc
+        unpack_blocks(kv_caches, block_ids, layers)
+        return stats
+
+
+class KVSender:
+    """Prefill side: one pair per decode worker, one transfer at a time per pair."""
+
+    def __init__(self, worker_id: str, host: str, device: torch.device, timeout_s: float):
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self.registry = PairRegistry(SENDER_RANK, device, host, timeout_s)
+        self._stores: dict[str, dist.TCPStore] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._tags = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def send(self, receiver_id: str, store_address: str, kv_caches: Sequence[torch.Tensor],
+             block_ids: Sequence[int], start_receive: Callable[[int, int], object]
+             ) -> TransferStats:
+        """Send the blocks; `start_receive(generation, tag)` must make the receiver call
+        `KVReceiver.receive` (it is called before anything is sent)."""
+        key = pair_key(self.worker_id, receiver_id)
+        with self._pair_lock(key):
+            generation = self.registry.current_generation(key)
+            tag = next(self._tags)
+            try:
+                store = self._store(store_address)
+                start_receive(generation, tag)
+                self._await_ready(store, key, generation, tag)
+                pair = self.registry.get(store, key, generation)
+                return send_blocks(pair, tag, pack_blocks(kv_caches, block_ids), self.timeout_s)
+            except (TransferError, RuntimeError) as exc:
+                self.registry.tear_down(key)
+                with self._lock:
+                    self._stores.pop(store_address, None)
+                raise TransferError(f"sending KV to {receiver_id}: {exc}") from exc
+
+    def _await_ready(self, store: dist.TCPStore, key: str, generation: int, tag: int) -> None:
+        ready = _ready_key(key, generation, tag)
+        store.wait([ready], datetime.timedelta(seconds=self.timeout_s))
+        answer = store.get(ready).decode()
+        store.delete_key(ready)
+        if answer != "ok":
+            raise TransferError(f"receiver refused the transfer: {answer}")
+
+    def _store(self, address: str) -> dist.TCPStore:
+        with self._lock:
+            if address not in self._stores:
+                self._stores[address] = connect_store(address, self.timeout_s)
+            return self._stores[address]
+
+    def _pair_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(key, threading.Lock())

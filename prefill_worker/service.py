@@ -1,0 +1,99 @@
+"""PrefillWorker gRPC servicer (proto <-> PrefillWorker), and the client side of the decode
+worker's ReceiveKV used to start each transfer."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from kv_transfer import TransferError
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from prefill_worker.worker import DecodeTarget, PrefillResult, PrefillWorker
+from serving.convert import (
+    finish_reason_to_proto,
+    logprob_to_proto,
+    sampling_from_proto,
+    stop_reason_to_proto,
+)
+from serving.grpc_server import channel
+
+SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
+DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline
+
+
+class DecodeStubs:
+    """One channel per decode worker address, shared by every transfer to it."""
+
+    def __init__(self, rpc_timeout_s: float):
+        self.rpc_timeout_s = rpc_timeout_s
+        self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+        with self._lock:
+            if address not in self._stubs:
+                self._stubs[address] = pb_grpc.DecodeWorkerStub(channel(address))
+            return self._stubs[address]
+
+    def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
+                      num_blocks: int, dtype: str, sender_id: str) -> Callable[[float], object]:
+        message = pb.ReceiveKVRequest(request_id=request_id, sender_id=sender_id,
+                                      generation=generation, tag=tag, num_blocks=num_blocks,
+                                      dtype=dtype)
+        future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
+
+        def wait_ack(timeout_s: float) -> object:
+            try:
+                return future.result(timeout=timeout_s)
+            except grpc.RpcError as exc:
+                raise TransferError(f"decode worker {target.worker_id} did not acknowledge "
+                                    f"the KV: {exc.code().name}: {exc.details()}") from exc
+
+        return wait_ack
+
+
+class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext
+                ) -> pb.PrefillResponse:
+        remaining = context.time_remaining()
+        timeout_s = DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
+        target = DecodeTarget(request.decode_worker_id, request.decode_address,
+                              request.transfer_address, list(request.decode_block_ids))
+        try:
+            result = self.worker.prefill(request.request_id, list(request.prompt_token_ids),
+                                         sampling_from_proto(request.sampling), target,
+                                         timeout_s)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"prefill of {request.request_id} did not finish in {timeout_s:.1f}s")
+        except TransferError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return _response(result)
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
+              ) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.worker.abort(request.request_id))
+
+
+def _response(result: PrefillResult) -> pb.PrefillResponse:
+    response = pb.PrefillResponse(first_token_id=result.first_token,
+                                  cached_tokens=result.cached_tokens, prefill_s=result.prefill_s)
+    if result.logprobs is not None:
+        response.first_logprob.CopyFrom(logprob_to_proto(result.first_token, result.logprobs))
+    if result.transfer is not None:
+        response.kv_transfer_s = result.transfer.seconds
+        response.kv_transfer_bytes = result.transfer.num_bytes
+    if result.finish_reason is not None:
+        response.finish_reason = finish_reason_to_proto(result.finish_reason)
+        response.stop_reason = stop_reason_to_proto(result.stop_reason)
+    return response

@@ -1,0 +1,71 @@
+"""python -m router {serve,launch,client} ...
+
+  serve   run the router alone (workers join with --router ADDRESS)
+  launch  run a whole local cluster: router + prefill + decode workers (Ctrl-C stops it)
+  client  stream a generation from a running cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m router", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the router alone")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--model", default="default")
+    serve.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    launch = sub.add_parser("launch", help="run router + workers locally")
+    launch.add_argument("--prefill", type=int, default=1)
+    launch.add_argument("--decode", type=int, default=1)
+    launch.add_argument("--colocated", type=int, default=0,
+                        help="run N colocated workers instead (the baseline)")
+    launch.add_argument("--model", default="default")
+    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument("--port", type=int, default=50051)
+    launch.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    launch.add_argument("--dtype", default=None)
+    launch.add_argument("--kv-cache-gb", type=float, default=None)
+    launch.add_argument("--log-dir", type=Path, default=Path("logs"))
+    client = sub.add_parser("client", help="stream a generation")
+    client.add_argument("prompt", nargs="?", default=None)
+    client.add_argument("--chat", default=None, help="a user message (chat template applied)")
+    client.add_argument("--address", default="127.0.0.1:50051")
+    client.add_argument("--max-tokens", type=int, default=64)
+    client.add_argument("--temperature", type=float, default=0.0)
+    client.add_argument("--seed", type=int, default=None)
+    client.add_argument("--timeout-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.command == "serve":
+        from router.server import RouterOptions
+        from router.server import serve as run_router
+
+        return run_router(RouterOptions(host=args.host, port=args.port, model=args.model,
+                                        heartbeat_timeout_s=args.heartbeat_timeout_s))
+    if args.command == "launch":
+        from router.launch import ClusterSpec, run_until_interrupted
+
+        colocated = args.colocated
+        spec = ClusterSpec(prefill=0 if colocated else args.prefill,
+                           decode=0 if colocated else args.decode, colocated=colocated,
+                           model=args.model, host=args.host, port=args.port,
+                           threads=args.threads, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
+        return run_until_interrupted(spec, args.log_dir)
+    from router.client import build_request, stream
+
+    if args.prompt is None and args.chat is None:
+        parser.error("client needs a prompt or --chat")
+    return stream(args.address, build_request(args.prompt, args.chat, args.max_tokens,
+                                              args.temperature, args.seed), args.timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""One client request's deadline and cancellation, shared by every worker call made for it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import grpc
+
+DEFAULT_TIMEOUT_S = 600.0  # a client that sends no deadline still gets a bounded request
+
+
+class RouterError(Exception):
+    """Ends a client request with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallScope:
+    def __init__(self, time_remaining_s: float | None):
+        budget = DEFAULT_TIMEOUT_S if time_remaining_s is None else time_remaining_s
+        self.deadline = time.monotonic() + budget
+        self.cancelled = threading.Event()
+        self._calls: list[Any] = []
+        self._lock = threading.Lock()
+
+    def timeout(self) -> float:
+        """Seconds left for the next worker call; DEADLINE_EXCEEDED once none are left."""
+        if self.cancelled.is_set():
+            raise RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        return left
+
+    def track(self, call: Any) -> Any:
+        """Remember an in-flight call (future or stream) so a cancel can cancel it."""
+        with self._lock:
+            self._calls.append(call)
+            if self.cancelled.is_set():
+                call.cancel()
+        return call
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        with self._lock:
+            for call in self._calls:
+                call.cancel()
+
+    def unary(self, method: Any, message: Any, what: str) -> Any:
+        """Call a unary worker RPC under this scope; worker errors become RouterErrors."""
+        future = self.track(method.future(message, timeout=self.timeout()))
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise RouterError(grpc.StatusCode.CANCELLED,
+                              "the client cancelled the request") from None
+        except grpc.RpcError as exc:
+            raise worker_error(exc, what, self) from exc
+
+
+def worker_error(exc: grpc.RpcError, what: str, scope: CallScope) -> RouterError:
+    code = exc.code()
+    if scope.cancelled.is_set() or code is grpc.StatusCode.CANCELLED:
+        return RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RouterError(code, f"{what}: the request's deadline passed")
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return RouterError(code, f"{what}: {exc.details()}")
+    return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what} failed: {code.name}: {exc.details()}")

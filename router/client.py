@@ -1,0 +1,42 @@
+"""`python -m router client`: stream a generation from a running cluster to stdout."""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_server import channel
+
+
+def build_request(prompt: str | None, chat: str | None, max_tokens: int, temperature: float,
+                  seed: int | None) -> pb.GenerateRequest:
+    sampling = pb.SamplingOptions(max_tokens=max_tokens, temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    if chat is not None:
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content=chat)]), sampling=sampling)
+    return pb.GenerateRequest(prompt=prompt or "", sampling=sampling)
+
+
+def stream(address: str, request: pb.GenerateRequest, timeout_s: float) -> int:
+    with channel(address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        try:
+            for part in stub.Generate(request, timeout=timeout_s):
+                sys.stdout.write(part.text)
+                sys.stdout.flush()
+                if part.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    t, u = part.timings, part.usage
+                    print(f"\n[{pb.FinishReason.Name(part.finish_reason)}; "
+                          f"{u.prompt_tokens} prompt + {u.completion_tokens} tokens; "
+                          f"TTFT {t.ttft_s * 1000:.0f} ms; total {t.e2e_s:.2f} s; "
+                          f"KV moved {t.kv_transfer_bytes / 1e6:.2f} MB in "
+                          f"{t.kv_transfer_s * 1000:.0f} ms]", file=sys.stderr)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

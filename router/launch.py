@@ -1,0 +1,168 @@
+"""Start a whole cluster on this machine: router + P prefill + D decode workers (or C colocated
+workers), each its own process; wait until every worker is registered and healthy; stop them all
+cleanly. Used by `python -m router launch` and by the cluster tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_server import channel, wait_healthy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port
+    threads: int = 1  # torch threads per worker
+    dtype: str | None = None
+    kv_cache_gb: float | None = None
+    ready_timeout_s: float = 300.0
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.prefill, self.decode, self.colocated) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.colocated == 0 and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("need >= 1 prefill and >= 1 decode worker, or --colocated N")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("colocated mode runs colocated workers only (set prefill=decode=0)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalCluster:
+    spec: ClusterSpec
+    log_dir: Path | None = None
+    address: str = ""
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self) -> LocalCluster:
+        port = self.spec.port or free_port(self.spec.host)
+        self.address = f"{self.spec.host}:{port}"
+        try:
+            self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
+                                   str(port), "--model", self.spec.model,
+                                   *self.spec.router_args])
+            if not wait_healthy(self.address, 60.0):
+                raise RuntimeError(f"router did not become healthy on {self.address}")
+            roles = ([("prefill_worker", [], i) for i in range(self.spec.prefill)]
+                     + [("decode_worker", [], i) for i in range(self.spec.decode)]
+                     + [("decode_worker", ["--colocated"], i) for i in range(self.spec.colocated)])
+            for module, extra, i in roles:
+                name = f"{'colocated' if extra else module.split('_')[0]}-{i}"
+                self._spawn(name, [module, "--router", self.address, "--host", self.spec.host,
+                                   "--threads", str(self.spec.threads), "--model", self.spec.model,
+                                   *extra, *self._engine_args(), *self.spec.worker_args])
+            self.wait_workers(len(roles), self.spec.ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _engine_args(self) -> list[str]:
+        args = []
+        if self.spec.dtype:
+            args += ["--dtype", self.spec.dtype]
+        if self.spec.kv_cache_gb:
+            args += ["--kv-cache-gb", str(self.spec.kv_cache_gb)]
+        return args
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.threads), PYTHONUNBUFFERED="1")
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - child owns it
+        self.processes[name] = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO_ROOT,
+                                                env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def status(self, timeout_s: float = 5.0) -> pb.ClusterStatus:
+        with channel(self.address) as ch:
+            return pb_grpc.GenerationStub(ch).GetClusterStatus(pb.ClusterStatusRequest(),
+                                                               timeout=timeout_s)
+
+    def wait_workers(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.processes.items() if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"cluster processes exited during start: {dead}"
+                                   + (f" (logs in {self.log_dir})" if self.log_dir else ""))
+            try:
+                if sum(w.healthy for w in self.status().workers) >= count:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{count} workers did not register within {timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM workers then the router; SIGKILL whatever has not exited in time."""
+        names = [n for n in self.processes if n != "router"] + ["router"]
+        for name in names:
+            proc = self.processes.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in names:
+            proc = self.processes.get(name)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
+    cluster = LocalCluster(spec, log_dir)
+    stop = {"now": False}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.update(now=True))
+    print("starting the cluster (loading the model in every worker)...", flush=True)
+    cluster.start()
+    print(f"cluster ready: {cluster.address}  "
+          f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated)\n"
+          f"try: .venv/bin/python -m router client --address {cluster.address} \"Hello!\"\n"
+          "Ctrl-C stops everything.", flush=True)
+    try:
+        while not stop["now"]:
+            dead = [n for n, p in cluster.processes.items() if p.poll() is not None]
+            if dead:
+                print(f"processes exited: {dead}; stopping the cluster", flush=True)
+                return 1
+            time.sleep(0.5)
+    finally:
+        print("stopping...", flush=True)
+        cluster.stop()
+    return 0

@@ -1,0 +1,138 @@
+"""gRPC servicers of the router: the public Generation service and the internal WorkerRegistry.
+They translate proto <-> domain; policy lives in Frontend, Orchestrator and PlacementPolicy."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.calls import CallScope, RouterError
+from router.detokenizer import IncrementalText
+from router.frontend import Frontend, Job
+from router.orchestrator import Finished, Orchestrator, Tokens
+from router.placement import PlacementPolicy
+from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
+
+ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
+                   pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
+ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend, orchestrator: Orchestrator,
+                 placement: PlacementPolicy):
+        self.frontend = frontend
+        self.orchestrator = orchestrator
+        self.placement = placement
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+                 ) -> Iterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        try:
+            job = self.frontend.parse(request, arrival)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        scope = CallScope(context.time_remaining())
+        context.add_callback(scope.cancel)
+        text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
+        completion_tokens = 0
+        first_token_time = None
+        try:
+            for event in self.orchestrator.run(job, scope):
+                if isinstance(event, Tokens):
+                    first_token_time = first_token_time or time.monotonic()
+                    completion_tokens += len(event.token_ids)
+                    yield pb.GenerateResponse(request_id=job.request_id,
+                                              token_ids=event.token_ids,
+                                              text=text.add(event.token_ids),
+                                              logprobs=event.logprobs)
+                else:
+                    yield self._last(job, event, text, completion_tokens, first_token_time)
+        except RouterError as exc:
+            context.abort(exc.code, exc.message)
+
+    def _last(self, job: Job, end: Finished, text: IncrementalText, completion_tokens: int,
+              first_token_time: float | None) -> pb.GenerateResponse:
+        now = time.monotonic()
+        return pb.GenerateResponse(
+            request_id=job.request_id, text=text.finish(), finish_reason=end.finish_reason,
+            stop_reason=end.stop_reason,
+            usage=pb.Usage(prompt_tokens=len(job.token_ids),
+                           completion_tokens=completion_tokens, cached_tokens=end.cached_tokens),
+            timings=pb.Timings(
+                queue_s=max(0.0, end.prefill_started - job.arrival),
+                ttft_s=(first_token_time or now) - job.arrival, e2e_s=now - job.arrival,
+                kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes))
+
+    def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+                 ) -> pb.CompleteResponse:
+        reply = pb.CompleteResponse()
+        for part in self.Generate(request, context):
+            reply.request_id = part.request_id
+            reply.token_ids.extend(part.token_ids)
+            reply.text += part.text
+            reply.logprobs.extend(part.logprobs)
+            if part.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                reply.finish_reason = part.finish_reason
+                reply.stop_reason = part.stop_reason
+                reply.usage.CopyFrom(part.usage)
+                reply.timings.CopyFrom(part.timings)
+        return reply
+
+    def GetClusterStatus(self, request: pb.ClusterStatusRequest, context: grpc.ServicerContext
+                         ) -> pb.ClusterStatus:
+        registry = self.placement.registry
+        workers = []
+        for w in sorted(registry.snapshot(), key=lambda w: w.worker_id):
+            age = registry.seconds_since_heartbeat(w)
+            workers.append(pb.WorkerStatus(
+                worker_id=w.worker_id, role=ROLE_TO_PROTO[w.role], address=w.address,
+                healthy=age <= registry.heartbeat_timeout_s,
+                queued_prompt_tokens=self.placement.queued_tokens(w),
+                running_requests=w.load.running_requests,
+                waiting_requests=w.load.waiting_requests,
+                free_blocks=max(0, self.placement.free_blocks(w)),
+                total_blocks=w.load.total_blocks, seconds_since_heartbeat=age))
+        return pb.ClusterStatus(model=self.frontend.model_name, workers=workers)
+
+
+class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
+    def __init__(self, registry: WorkerRegistry, model_name: str, heartbeat_interval_s: float):
+        self.registry = registry
+        self.model_name = model_name
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
+                 ) -> pb.RegisterResponse:
+        if request.role not in ROLE_FROM_PROTO:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {request.role} is not a "
+                          "worker role (prefill, decode or colocated)")
+        if request.model != self.model_name:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker serves model {request.model!r}; this router serves "
+                          f"{self.model_name!r}")
+        if not request.worker_id or not request.address or request.block_size < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "worker_id, address and block_size >= 1 are required")
+        self.registry.register(Worker(
+            worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
+            address=request.address, block_size=request.block_size,
+            max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
+            load=_load(request.load)))
+        return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(known=self.registry.heartbeat(request.worker_id,
+                                                                  _load(request.load)))
+
+
+def _load(load: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
+                      running_requests=load.running_requests,
+                      waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
+                      total_blocks=load.total_blocks)

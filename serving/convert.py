@@ -1,0 +1,72 @@
+"""proto <-> engine domain objects. Torch-free and grpc-free, so the router uses it too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import SamplingParams
+from pdserve_proto import pdserve_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 16
+
+_FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def sampling_from_proto(options: Any) -> SamplingParams:
+    """SamplingOptions -> SamplingParams; ValueError names the bad field and its limit.
+    Proto3 zeros mean "unset": max_tokens 0 -> 16, top_k 0 -> disabled, top_p 0 -> 1.0."""
+    for i, stop in enumerate(options.stop):
+        if "\ufffd" in stop:  # protobuf replaced invalid UTF-8 (or the caller sent U+FFFD)
+            raise ValueError(f"sampling.stop[{i}] is not valid UTF-8 text")
+    return SamplingParams(
+        max_tokens=options.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=options.temperature,
+        top_k=options.top_k if options.top_k != 0 else -1,
+        top_p=options.top_p if options.top_p != 0 else 1.0,
+        seed=options.seed if options.HasField("seed") else None,
+        stop=tuple(options.stop),
+        stop_token_ids=tuple(options.stop_token_ids),
+        ignore_eos=options.ignore_eos,
+        logprobs=options.logprobs if options.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
+    options = pb.SamplingOptions(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+        top_p=params.top_p, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        options.seed = params.seed
+    if params.logprobs is not None:
+        options.logprobs = params.logprobs
+    return options
+
+
+def logprob_to_proto(token_id: int, logprobs: dict[int, float]) -> pb.TokenLogprob:
+    top = {t: lp for t, lp in logprobs.items() if t != token_id}
+    return pb.TokenLogprob(token_id=token_id, logprob=logprobs.get(token_id, 0.0), top=top)
+
+
+def logprob_from_proto(message: pb.TokenLogprob) -> dict[int, float]:
+    logprobs = dict(message.top)
+    logprobs[message.token_id] = message.logprob
+    return logprobs
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    return _FINISH_FROM_PROTO.get(value)
+
+
+def stop_reason_to_proto(reason: int | str | None) -> str:
+    return "" if reason is None else str(reason)

@@ -1,0 +1,83 @@
+"""gRPC server bootstrap shared by every process: health (grpc.health.v1), reflection, binding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Messages carry token ids and KV-free metadata only; 16 MiB bounds a request's size.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class Server:
+    """A started gRPC server, its port, and its health servicer."""
+
+    def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
+                 service_names: Sequence[str]):
+        self.server = server
+        self.port = port
+        self.health = health_servicer
+        self.service_names = list(service_names)
+
+    def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float) -> None:
+        self.set_serving(False)
+        self.server.stop(grace_s).wait(grace_s + 1.0)
+
+
+def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], None]],
+                 service_names: Sequence[str], max_workers: int = 128) -> Server:
+    """Bind host:port (port 0 picks a free one), register the services plus health and
+    reflection, start, and mark every service SERVING."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    for add in adders:
+        add(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names)
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind gRPC server to {host}:{port}")
+    server.start()
+    result = Server(server, bound, health_servicer, names)
+    result.set_serving(True)
+    return result
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ])
+
+
+def wait_healthy(address: str, timeout_s: float) -> bool:
+    """True once the server at `address` answers SERVING, False when `timeout_s` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    return False

@@ -1,0 +1,175 @@
+"""The engine's step loop on its own thread.
+
+The engine (scheduler, block manager, requests) is single-threaded by design, so gRPC handler
+threads never touch it: they post commands (`call` / `post`) that run on the loop thread between
+steps, and receive each request's outputs through a sink registered for its id.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """What the worker reports to the router in each heartbeat."""
+
+    queued_prompt_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class StepPolicy(Protocol):
+    """What differs between roles, around the shared schedule -> execute -> update step."""
+
+    def before_step(self, engine: LLMEngine) -> None: ...
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None: ...
+
+
+class NoPolicy:
+    def before_step(self, engine: LLMEngine) -> None:
+        pass
+
+    def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, policy: StepPolicy | None = None,
+                 idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.policy = policy or NoPolicy()
+        self.idle_wait_s = idle_wait_s
+        self.sinks: dict[str, Sink] = {}
+        self.load = LoadSnapshot()
+        self.num_steps = 0
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- called from other threads -------------------------------------------------------
+    def start(self) -> None:
+        self._refresh_load()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def post(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run `fn(engine)` on the loop thread before the next step (errors are logged)."""
+        self._inbox.put(lambda: fn(self.engine))
+        self._wakeup.set()
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout_s: float) -> T:
+        """Run `fn(engine)` on the loop thread and return its result (or raise its error);
+        TimeoutError when the loop does not get to it within `timeout_s`."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+        self._inbox.put(run)
+        self._wakeup.set()
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    # ---- the loop thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_inbox()
+            self.policy.before_step(self.engine)
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._wakeup.wait(self.idle_wait_s)
+                self._wakeup.clear()
+            self._refresh_load()
+        self._fail_all(RuntimeError("worker is shutting down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:
+                log.exception("engine-loop command failed")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a failed forward fails its requests, not the worker
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            return
+        self.num_steps += 1
+        for output in outputs:
+            self.deliver(output)
+        self.policy.after_step(self.engine, outputs)
+
+    def deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
+        """Hand an output (or an error) to the request's sink; finished requests lose theirs."""
+        rid = request_id if request_id is not None else getattr(item, "request_id", None)
+        sink = self.sinks.get(rid) if rid is not None else None
+        if isinstance(item, BaseException) or item.finished:
+            self.sinks.pop(rid, None)
+        if sink is not None:
+            sink(item)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request in list(self.engine.scheduler.all_requests()):
+            self.engine.abort(request.request_id)
+        for rid in list(self.sinks):
+            self.deliver(error, rid)
+
+    def _refresh_load(self) -> None:
+        engine = self.engine
+        sched = engine.scheduler
+        queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
+                     for r in sched.all_requests())
+        self.load = LoadSnapshot(
+            queued_prompt_tokens=queued,
+            running_requests=sched.num_running,
+            waiting_requests=sched.num_waiting,
+            free_blocks=engine.block_manager.num_free_blocks,
+            total_blocks=engine.block_manager.num_blocks,
+        )
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll_s)
+    return predicate()

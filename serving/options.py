@@ -1,0 +1,76 @@
+"""Worker configuration, parsed once at the edge (CLI) into a frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str  # "prefill", "decode" or "colocated"
+    router: str  # host:port of the router's gRPC server
+    host: str = "127.0.0.1"  # interface the worker binds (gRPC and KV rendezvous)
+    port: int = 0  # 0: any free port
+    advertise_host: str | None = None  # address others use to reach it (default: host)
+    model: str = "default"
+    dtype: str | None = None
+    kv_cache_gb: float | None = None
+    max_num_batched_tokens: int | None = None
+    threads: int = 1  # torch threads: workers share the machine's cores
+    worker_id: str = ""
+    connect_timeout_s: float = 60.0  # waiting for the router at start
+    transfer_timeout_s: float = 30.0  # one KV transfer (rendezvous included)
+    lease_s: float = 30.0  # decode: reserved blocks freed when no KV arrives in this time
+    grace_s: float = 5.0  # in-flight work allowed to finish on shutdown
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
+        if ":" not in self.router:
+            raise ValueError(f"--router must be host:port, got {self.router!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id",
+                               f"{self.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker",
+                                     description=f"Run one {role} worker.")
+    if role == "decode":
+        parser.add_argument("--colocated", action="store_true",
+                            help="also prefill: one worker does both (the baseline)")
+    parser.add_argument("--router", required=True, help="router address host:port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--advertise-host", default=None)
+    parser.add_argument("--model", default="default", help="'default' or a local HF directory")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-gb", type=float, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worker-id", default="")
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    if getattr(args, "colocated", False):
+        role = "colocated"
+    return WorkerOptions(
+        role=role, router=args.router, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
+        kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+        threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
+        transfer_timeout_s=args.transfer_timeout_s)

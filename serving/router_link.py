@@ -1,0 +1,81 @@
+"""A worker's link to the router: register, then heartbeat its load; register again whenever the
+router says it does not know the worker (it restarted or dropped us)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_server import channel
+from serving.loop import LoadSnapshot
+
+log = logging.getLogger(__name__)
+
+ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE,
+         "colocated": pb.WORKER_ROLE_COLOCATED}
+RPC_TIMEOUT_S = 2.0
+
+
+def load_to_proto(load: LoadSnapshot) -> pb.WorkerLoad:
+    return pb.WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
+                         running_requests=load.running_requests,
+                         waiting_requests=load.waiting_requests,
+                         free_blocks=load.free_blocks, total_blocks=load.total_blocks)
+
+
+class RouterLink:
+    def __init__(self, router_address: str, registration: pb.RegisterRequest,
+                 load: Callable[[], LoadSnapshot]):
+        self.router_address = router_address
+        self.registration = registration
+        self.load = load
+        self.heartbeat_interval_s = 0.5
+        self._channel = channel(router_address)
+        self._stub = pb_grpc.WorkerRegistryStub(self._channel)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)
+
+    def register(self, timeout_s: float) -> None:
+        """Register, retrying until the router answers; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._register_once()
+                return
+            except grpc.RpcError as exc:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"router {self.router_address} did not accept the registration within "
+                        f"{timeout_s:.0f}s: {exc.code().name}") from exc
+                time.sleep(0.2)
+
+    def _register_once(self) -> None:
+        self.registration.load.CopyFrom(load_to_proto(self.load()))
+        reply = self._stub.Register(self.registration, timeout=RPC_TIMEOUT_S)
+        self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(RPC_TIMEOUT_S + 1.0)
+        self._channel.close()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.heartbeat_interval_s):
+            try:
+                reply = self._stub.Heartbeat(
+                    pb.HeartbeatRequest(worker_id=self.registration.worker_id,
+                                        load=load_to_proto(self.load())),
+                    timeout=RPC_TIMEOUT_S)
+                if not reply.known:
+                    self._register_once()
+            except grpc.RpcError as exc:  # router down or restarting: keep trying
+                log.debug("heartbeat to %s failed: %s", self.router_address, exc.code().name)
