@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--temperature", type=float, default=0.0)
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--timeout-s", type=float, default=120.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.command == "serve":

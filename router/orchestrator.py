@@ -83,30 +83,12 @@ class Orchestrator:
         decode, decode_charge = self._place(
             self.placement.place_decode(len(job.token_ids) + job.params.max_tokens,
                                         roles=(Role.DECODE,)), "decode", job)
-        prefill: Worker | None = None
+        placed: list[Worker] = []
         done = False
         try:
-            reserve = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
-                request_id=job.worker_request_id, prompt_token_ids=job.token_ids,
-                sampling=sampling_to_proto(job.params), lease_s=self.lease_s), "reserve")
-            prefill, prefill_charge = self._place(
-                self.placement.place_prefill(len(job.token_ids), roles=(Role.PREFILL,)),
-                "prefill", job)
-            started = time.monotonic()
-            try:
-                first = scope.unary(self.stubs.prefill(prefill).Prefill, pb.PrefillRequest(
-                    request_id=job.worker_request_id, prompt_token_ids=job.token_ids,
-                    sampling=sampling_to_proto(job.params), decode_worker_id=decode.worker_id,
-                    decode_address=decode.address, transfer_address=reserve.transfer_address,
-                    decode_block_ids=reserve.block_ids), "prefill")
-            finally:
-                self.placement.release(prefill_charge)
-                self.placement.release(decode_charge)
-                decode_charge = None
+            first, end = self._reserve_and_prefill(job, scope, decode, decode_charge, placed)
             yield Tokens([first.first_token_id],
                          [first.first_logprob] if first.HasField("first_logprob") else [])
-            end = Finished(first.finish_reason, first.stop_reason, first.cached_tokens,
-                           first.kv_transfer_s, first.kv_transfer_bytes, started)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 self._abort(decode, job, "decode")  # free the reservation nobody will use
                 done = True
@@ -120,12 +102,37 @@ class Orchestrator:
                 done = isinstance(item, Finished)
                 yield item
         finally:
-            if decode_charge is not None:
-                self.placement.release(decode_charge)
             if not done:  # cancel, deadline or error: nothing may stay allocated
                 self._abort(decode, job, "decode")
-                if prefill is not None:
+                for prefill in placed:
                     self._abort(prefill, job, "prefill")
+
+    def _reserve_and_prefill(self, job: Job, scope: CallScope, decode: Worker,
+                             decode_charge: Charge, placed: list[Worker]
+                             ) -> tuple[pb.PrefillResponse, Finished]:
+        """Reserve blocks on the decode worker, then prefill (which ships the KV there).
+        Placement charges end here: by now the workers' own load reports include the work."""
+        charges = [decode_charge]
+        try:
+            reserve = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
+                request_id=job.worker_request_id, prompt_token_ids=job.token_ids,
+                sampling=sampling_to_proto(job.params), lease_s=self.lease_s), "reserve")
+            prefill, prefill_charge = self._place(
+                self.placement.place_prefill(len(job.token_ids), roles=(Role.PREFILL,)),
+                "prefill", job)
+            charges.append(prefill_charge)
+            placed.append(prefill)
+            started = time.monotonic()
+            first = scope.unary(self.stubs.prefill(prefill).Prefill, pb.PrefillRequest(
+                request_id=job.worker_request_id, prompt_token_ids=job.token_ids,
+                sampling=sampling_to_proto(job.params), decode_worker_id=decode.worker_id,
+                decode_address=decode.address, transfer_address=reserve.transfer_address,
+                decode_block_ids=reserve.block_ids), "prefill")
+        finally:
+            for charge in charges:
+                self.placement.release(charge)
+        return first, Finished(first.finish_reason, first.stop_reason, first.cached_tokens,
+                               first.kv_transfer_s, first.kv_transfer_bytes, started)
 
     def _colocated(self, job: Job, scope: CallScope) -> Iterator[Tokens | Finished]:
         worker, charge = self._place(

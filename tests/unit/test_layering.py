@@ -6,7 +6,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PROJECT_PACKAGES = {"engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "deploy"}
+PROJECT_PACKAGES = {"engine", "router", "prefill_worker", "decode_worker", "kv_transfer", "deploy",
+                    "serving"}
 
 
 def imports_of(path: Path) -> set[str]:

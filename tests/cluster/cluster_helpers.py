@@ -1,0 +1,109 @@
+"""Shared pieces of the cluster tests: a local cluster per module, streaming clients, and the
+offline engine's reference outputs."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.launch import ClusterSpec, LocalCluster
+from serving.grpc_server import channel
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+KV_CACHE_GB = 0.25  # per worker: plenty for the tests, small enough for 4 workers on 24 GiB
+MAX_TOKENS = 12
+
+
+def long_prompt(min_tokens: int = 1500) -> list[int]:
+    rows = [json.loads(line) for line in (SHARED / "bench" / "online_mixed.jsonl").open()]
+    longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
+    assert len(longest["prompt_token_ids"]) >= min_tokens
+    return longest["prompt_token_ids"]
+
+
+def start_cluster(tmp_path: Path, **spec: object) -> LocalCluster:
+    spec.setdefault("kv_cache_gb", KV_CACHE_GB)
+    return LocalCluster(ClusterSpec(port=0, ready_timeout_s=240.0, **spec),
+                        log_dir=tmp_path / "logs").start()
+
+
+def greedy_request(ids: list[int], max_tokens: int = MAX_TOKENS, rid: str = ""
+                   ) -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=ids),
+                              sampling=pb.SamplingOptions(max_tokens=max_tokens, temperature=0,
+                                                          ignore_eos=True))
+
+
+def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 180.0
+                  ) -> tuple[list[int], str, pb.GenerateResponse]:
+    """Token ids, text and the last message of one streamed generation."""
+    with channel(address) as ch:
+        tokens: list[int] = []
+        text = ""
+        last = None
+        for part in pb_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s):
+            tokens.extend(part.token_ids)
+            text += part.text
+            last = part
+        return tokens, text, last
+
+
+def stream_all(address: str, prompts: list[list[int]], concurrency: int = 16
+               ) -> list[list[int]]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(stream_tokens, address, greedy_request(p, rid=f"t{i}"))
+                   for i, p in enumerate(prompts)]
+        return [f.result()[0] for f in futures]
+
+
+def wait_blocks_free(cluster: LocalCluster, timeout_s: float = 15.0) -> list[pb.WorkerStatus]:
+    """Wait until every worker reports all its KV blocks free (heartbeats lag a little)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = list(cluster.status().workers)
+        if all(w.free_blocks == w.total_blocks > 0 for w in workers) or \
+                time.monotonic() > deadline:
+            return workers
+        time.sleep(0.2)
+
+
+def rpc_error(fn, *args) -> grpc.RpcError:  # noqa: ANN001 - any callable
+    try:
+        fn(*args)
+    except grpc.RpcError as exc:
+        return exc
+    raise AssertionError("expected an RpcError")
+
+
+class LoadWatcher:
+    """Polls cluster status in the background; records each worker's peak running requests."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.max_running: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                for w in self.cluster.status().workers:
+                    peak = max(self.max_running.get(w.worker_id, 0), w.running_requests)
+                    self.max_running[w.worker_id] = peak
+            except grpc.RpcError:
+                pass
+
+    def __enter__(self) -> LoadWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)

@@ -1,0 +1,80 @@
+"""Router-side pieces without processes: incremental detokenization, request parsing, and the
+decode worker's reservation leases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from decode_worker.reservations import LeaseState, ReservationTable
+from engine.request import Request, SamplingParams
+from engine.tokenizer import Tokenizer
+from router.detokenizer import IncrementalText
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer(default_model_dir)
+
+
+def test_router_imports_no_torch():
+    code = ("import sys, router.server, router.launch, router.client; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_incremental_text_never_splits_a_multibyte_character(tokenizer):
+    text = "naïve café — 日本語 🙂 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = IncrementalText(tokenizer, [1], stop=())
+    pieces = [stream.add([t]) for t in ids] + [stream.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_incremental_text_holds_back_and_cuts_at_a_stop_string(tokenizer):
+    ids = tokenizer.encode("one two three four five", add_special_tokens=False)
+    stream = IncrementalText(tokenizer, [1], stop=("three",))
+    sent = "".join(stream.add([t]) for t in ids)
+    assert "thr" not in sent
+    assert sent + stream.finish() == "one two "
+    assert stream.stopped_at == "three"
+
+
+def _request(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams())
+
+
+def test_reservation_lease_expires_but_never_while_receiving():
+    now = [0.0]
+    released: list[str] = []
+    table = ReservationTable(lambda r: released.append(r.request_id), clock=lambda: now[0])
+    table.add(_request("a"), lease_s=5)
+    table.add(_request("b"), lease_s=5)
+    table.begin_receive("b")
+    now[0] = 6
+    assert table.expire() == ["a"] and released == ["a"]
+    assert table.abort("b")  # deferred: the transfer still writes
+    assert released == ["a"]
+    assert table.end_receive("b", ok=True) is False and released == ["a", "b"]
+    assert len(table) == 0
+
+
+def test_reservation_ready_then_taken_or_expired():
+    now = [0.0]
+    released: list[str] = []
+    table = ReservationTable(lambda r: released.append(r.request_id), clock=lambda: now[0])
+    table.add(_request("a"), lease_s=5)
+    table.begin_receive("a")
+    now[0] = 100  # a long transfer: the lease restarts when it ends
+    assert table.end_receive("a", ok=True)
+    assert table.expire() == []
+    assert table.take_ready("a").request_id == "a" and released == []
+    with pytest.raises(KeyError):
+        table.begin_receive("a")
+    table.add(_request("c"), lease_s=5)
+    table.begin_receive("c")
+    assert table.end_receive("c", ok=False) is False and released == ["c"]
+    assert LeaseState.READY.value == "ready"
