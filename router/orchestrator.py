@@ -23,6 +23,7 @@ from serving.grpc_server import channel
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
+LEASE_MARGIN_S = 5.0
 
 
 @dataclass
@@ -116,7 +117,11 @@ class Orchestrator:
         try:
             reserve = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
                 request_id=job.worker_request_id, prompt_token_ids=job.token_ids,
-                sampling=sampling_to_proto(job.params), lease_s=self.lease_s), "reserve")
+                sampling=sampling_to_proto(job.params),
+                # The router aborts the reservation on every failure path it sees; the lease is
+                # the backstop for what it cannot see (its own death), so it lasts as long as the
+                # request may: KV arriving after the deadline is useless anyway.
+                lease_s=max(self.lease_s, scope.timeout() + LEASE_MARGIN_S)), "reserve")
             prefill, prefill_charge = self._place(
                 self.placement.place_prefill(len(job.token_ids), roles=(Role.PREFILL,)),
                 "prefill", job)
