@@ -4,7 +4,7 @@ Every error is a ValueError whose message names the field and its limit."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.request import SamplingParams
@@ -23,7 +23,6 @@ class Job:
     token_ids: list[int]
     params: SamplingParams
     arrival: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class Frontend:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -14,7 +15,7 @@ from engine.engine import LLMEngine
 from pdserve_proto import pdserve_pb2 as pb
 from serving.grpc_server import Server, start_server
 from serving.loop import EngineLoop
-from serving.options import WorkerOptions
+from serving.options import WorkerOptions, parse_worker_args
 from serving.router_link import ROLES, RouterLink, load_to_proto
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,15 @@ class WorkerRole(Protocol):
     def add_to_server(self, server: grpc.Server) -> None: ...
 
     def close(self) -> None: ...
+
+
+def main(role_name: str, make_role: Callable[[LLMEngine, WorkerOptions], WorkerRole],
+         argv: list[str] | None = None) -> int:
+    """`python -m {role}_worker` for either role: parse, load the engine, serve."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    options = parse_worker_args(role_name, argv)
+    engine = build_engine(options)
+    return serve(options, make_role(engine, options), engine.model_path.name)
 
 
 def build_engine(options: WorkerOptions) -> LLMEngine:
