@@ -60,6 +60,8 @@ class LocalCluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start(self) -> LocalCluster:
+        if self.processes:
+            raise RuntimeError("this cluster is already started")
         port = self.spec.port or free_port(self.spec.host)
         self.address = f"{self.spec.host}:{port}"
         try:
@@ -138,7 +140,7 @@ class LocalCluster:
                 proc.wait(5.0)
 
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        return self if self.processes else self.start()  # start() may already have run
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

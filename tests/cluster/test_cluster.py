@@ -77,3 +77,5 @@ def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference):
         status = cluster.status()
         assert [w.role for w in status.workers] == [3]  # WORKER_ROLE_COLOCATED
         assert wait_blocks_free(cluster)[0].free_blocks == status.workers[0].total_blocks
+        assert sorted(cluster.processes) == ["colocated-0", "router"]  # started once, not twice
+    assert all(p.poll() is not None for p in cluster.processes.values()), "processes left running"
