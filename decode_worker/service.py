@@ -18,6 +18,7 @@ from serving.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from serving.gate import QueueFull
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
 
@@ -25,20 +26,23 @@ SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
 class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
+        self.gate = worker.gate
 
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext
                 ) -> pb.ReserveResponse:
+        self.gate.check_new(context, "Reserve")
         if not request.lease_s > 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"lease_s must be > 0, got {request.lease_s}")
+            self.gate.reject(context, "Reserve", grpc.StatusCode.INVALID_ARGUMENT,
+                             f"lease_s must be > 0, got {request.lease_s}")
         try:
             params = sampling_from_proto(request.sampling)
             reserved = self.worker.reserve(request.request_id, list(request.prompt_token_ids),
                                            params, request.lease_s)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.gate.reject(context, "Reserve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoRoom as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {exc}")
+            self.gate.reject(context, "Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"KV cache full: {exc}")
         return pb.ReserveResponse(block_ids=reserved.block_ids,
                                   transfer_address=reserved.transfer_address,
                                   decode_worker_id=self.worker.worker_id)
@@ -50,11 +54,11 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                                            request.generation, request.tag, request.num_blocks,
                                            request.dtype)
         except KeyError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
+            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.ABORTED, str(exc))
         return pb.ReceiveKVResponse(num_bytes=stats.num_bytes, seconds=stats.seconds)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
@@ -66,12 +70,15 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                             if request.HasField("first_logprob") else None)
                 outputs = self.worker.admit(rid, request.first_token_id, first_lp)
             else:
+                self.gate.check_new(context, "Decode")
                 outputs = self.worker.generate(rid, list(request.prompt_token_ids),
                                                sampling_from_proto(request.sampling))
         except KeyError as exc:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.gate.reject(context, "Decode", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            self.gate.reject(context, "Decode", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op.
         context.add_callback(lambda: self.worker.abort_later(rid))

@@ -15,7 +15,9 @@ from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 from kv_transfer import KVReceiver, TransferError, TransferStats
+from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
+from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,9 @@ class DecodeWorker:
         self.options = options
         self.worker_id = options.worker_id
         self.table = ReservationTable(release=engine.release)
-        self.loop = EngineLoop(engine, DecodePolicy(self.table))
+        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
+        self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
+        self.loop = EngineLoop(engine, DecodePolicy(self.table), observer=self.metrics)
         self.receiver = KVReceiver(options.worker_id, options.host, torch.device("cpu"),
                                    options.transfer_timeout_s)
         self.transfer_address = f"{options.public_host}:{self.receiver.port}"
@@ -91,7 +95,11 @@ class DecodeWorker:
             stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
                                           list(request.block_ids))
             ok = True
+            self.metrics.transfer("received", stats.num_bytes, stats.seconds)
             return stats
+        except TransferError:
+            self.metrics.transfer_failed("received")
+            raise
         finally:
             held = self.loop.call(lambda e: self.table.end_receive(request_id, ok),
                                   COMMAND_TIMEOUT_S)
@@ -121,6 +129,7 @@ class DecodeWorker:
 
         def run(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)
+            check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
             self.loop.sinks[request_id] = outputs.put
             engine.scheduler.add(request)
 
@@ -141,6 +150,11 @@ class DecodeWorker:
     def abort_later(self, request_id: str) -> None:
         """Abort without waiting (safe from gRPC callbacks)."""
         self.loop.post(lambda e: self._abort_on_loop(e, request_id))
+
+    def in_flight(self) -> int:
+        """Requests reserved, receiving, waiting or decoding here (drain waits for 0)."""
+        return self.loop.call(lambda e: self.loop.num_in_flight() + len(self.table),
+                              COMMAND_TIMEOUT_S)
 
     def close(self) -> None:
         self.loop.stop()

@@ -173,7 +173,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "healthy", "queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "seconds_since_heartbeat")
+    __slots__ = ("worker_id", "role", "address", "healthy", "queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "seconds_since_heartbeat", "draining", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,8 @@ class WorkerStatus(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -194,17 +196,23 @@ class WorkerStatus(_message.Message):
     free_blocks: int
     total_blocks: int
     seconds_since_heartbeat: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    draining: bool
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("model", "workers", "queued_requests")
+    __slots__ = ("model", "workers", "queued_requests", "running_requests", "metrics_address")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+    running_requests: int
+    metrics_address: str
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks")
@@ -221,7 +229,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load")
+    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +238,7 @@ class RegisterRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_HOST_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -238,7 +247,8 @@ class RegisterRequest(_message.Message):
     max_model_len: int
     kv_transfer_host: str
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -247,12 +257,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "load")
+    __slots__ = ("worker_id", "load", "draining")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)

@@ -19,11 +19,16 @@ class PrefillRole:
             lambda target, rid, gen, tag, n, dtype: stubs.start_receive(
                 target, rid, gen, tag, n, dtype, options.worker_id))
         self.loop = self.worker.loop
+        self.metrics = self.worker.metrics
+        self.gate = self.worker.gate
         self.service_names = SERVICE_NAMES
         self.transfer_host = options.public_host
 
     def add_to_server(self, server: grpc.Server) -> None:
         pb_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerServicer(self.worker), server)
+
+    def in_flight(self) -> int:
+        return self.worker.in_flight()
 
     def close(self) -> None:
         self.worker.close()

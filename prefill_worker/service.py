@@ -18,6 +18,7 @@ from serving.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from serving.gate import QueueFull
 from serving.grpc_server import channel
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
@@ -58,9 +59,11 @@ class DecodeStubs:
 class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
+        self.gate = worker.gate
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext
                 ) -> pb.PrefillResponse:
+        self.gate.check_new(context, "Prefill")
         remaining = context.time_remaining()
         timeout_s = DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
         target = DecodeTarget(request.decode_worker_id, request.decode_address,
@@ -70,14 +73,20 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
                                          sampling_from_proto(request.sampling), target,
                                          timeout_s)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.gate.reject(context, "Prefill", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            self.gate.reject(context, "Prefill", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"prefill of {request.request_id} did not finish in {timeout_s:.1f}s")
+            self.gate.reject(context, "Prefill", grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"prefill of {request.request_id} did not finish in "
+                             f"{timeout_s:.1f}s")
         except TransferError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            # ABORTED tells the router the KV did not reach the decode worker (which may be the
+            # one at fault): it retries with a fresh reservation.
+            self.gate.reject(context, "Prefill", grpc.StatusCode.ABORTED,
+                             f"KV transfer to {target.worker_id} failed: {exc}")
         except RuntimeError as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
+            self.gate.reject(context, "Prefill", grpc.StatusCode.UNAVAILABLE, str(exc))
         return _response(result)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext

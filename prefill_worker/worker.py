@@ -14,7 +14,9 @@ import torch
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import Request, SamplingParams
 from kv_transfer import KVSender, TransferStats
+from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
+from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ class PrefillWorker:
     def __init__(self, engine: LLMEngine, options: WorkerOptions, start_receive: StartReceive):
         self.options = options
         self.worker_id = options.worker_id
-        self.loop = EngineLoop(engine)
+        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
+        self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
+        self.loop = EngineLoop(engine, observer=self.metrics)
         self.sender = KVSender(options.worker_id, options.host, torch.device("cpu"),
                                options.transfer_timeout_s)
         self.start_receive = start_receive
@@ -63,6 +67,7 @@ class PrefillWorker:
 
         def queue(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)
+            check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
             needed = engine.block_manager.blocks_needed(len(token_ids))
             if len(target.block_ids) != needed:
                 raise ValueError(f"decode_block_ids has {len(target.block_ids)} blocks; the "
@@ -104,8 +109,10 @@ class PrefillWorker:
                 lambda generation, tag: acks.append(self.start_receive(
                     target, request.request_id, generation, tag, len(blocks), dtype)))
             acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
+            self.metrics.transfer("sent", stats.num_bytes, stats.seconds)
             done.set_result(self._result(first, stats))
         except Exception as exc:
+            self.metrics.transfer_failed("sent")
             log.warning("shipping KV of %s to %s failed: %s", request.request_id,
                         target.worker_id, exc)
             done.set_exception(exc)
@@ -137,6 +144,11 @@ class PrefillWorker:
             return request_id in self.shipping
 
         return self.loop.call(run, COMMAND_TIMEOUT_S)
+
+    def in_flight(self) -> int:
+        """Requests queued, computing or shipping here (drain waits for 0)."""
+        return self.loop.call(lambda e: self.loop.num_in_flight() + len(self.shipping),
+                              COMMAND_TIMEOUT_S)
 
     def close(self) -> None:
         self.loop.stop()

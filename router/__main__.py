@@ -22,6 +22,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--model", default="default")
     serve.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    serve.add_argument("--max-running", type=int, default=256,
+                       help="requests served at once; more wait in the router's queue")
+    serve.add_argument("--max-queued", type=int, default=1024,
+                       help="requests waiting for a slot; beyond, RESOURCE_EXHAUSTED at once")
+    serve.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port (0: any free port, shown at start)")
+    serve.add_argument("--grace-s", type=float, default=30.0,
+                       help="on SIGTERM: seconds in-flight streams may take to finish")
     launch = sub.add_parser("launch", help="run router + workers locally")
     launch.add_argument("--prefill", type=int, default=1)
     launch.add_argument("--decode", type=int, default=1)
@@ -53,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from router.server import RouterOptions
         from router.server import serve as run_router
 
-        return run_router(RouterOptions(host=args.host, port=args.port, model=args.model,
-                                        heartbeat_timeout_s=args.heartbeat_timeout_s))
+        return run_router(RouterOptions(
+            host=args.host, port=args.port, model=args.model,
+            heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
+            max_queued=args.max_queued, metrics_port=args.metrics_port, grace_s=args.grace_s))
     if args.command == "launch":
         from router.launch import ClusterSpec, run_until_interrupted
 

@@ -12,12 +12,17 @@ DEFAULT_TIMEOUT_S = 600.0  # a client that sends no deadline still gets a bounde
 
 
 class RouterError(Exception):
-    """Ends a client request with a gRPC status."""
+    """Ends a client request with a gRPC status, unless it is `retryable` (a worker failed, not
+    the request): then the orchestrator tries again without the `suspect` worker."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retryable: bool = False,
+                 worker_code: grpc.StatusCode | None = None, suspect: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retryable = retryable
+        self.worker_code = worker_code  # the status the worker answered, when one did
+        self.suspect = suspect
 
 
 class CallScope:
@@ -51,6 +56,11 @@ class CallScope:
             for call in self._calls:
                 call.cancel()
 
+    def pause(self, seconds: float) -> None:
+        """Wait a little before trying again (cut short by a cancel; bounded by the deadline)."""
+        self.cancelled.wait(min(seconds, max(0.0, self.timeout())))
+        self.timeout()  # raise if the wait ended by cancel or deadline
+
     def unary(self, method: Any, message: Any, what: str) -> Any:
         """Call a unary worker RPC under this scope; worker errors become RouterErrors."""
         future = self.track(method.future(message, timeout=self.timeout()))
@@ -70,5 +80,7 @@ def worker_error(exc: grpc.RpcError, what: str, scope: CallScope) -> RouterError
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return RouterError(code, f"{what}: the request's deadline passed")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
-        return RouterError(code, f"{what}: {exc.details()}")
-    return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what} failed: {code.name}: {exc.details()}")
+        return RouterError(code, f"{what}: {exc.details()}", worker_code=code)
+    # The worker died, is draining, or failed the request: another worker may well succeed.
+    return RouterError(grpc.StatusCode.UNAVAILABLE, f"{what} failed: {code.name}: {exc.details()}",
+                       retryable=True, worker_code=code)

@@ -39,7 +39,12 @@ class Frontend:
             raise ValueError(f"model {request.model!r} is not served here; this cluster serves "
                              f"{self.model_name!r}")
         token_ids = self._tokens(request)
-        params = sampling_from_proto(request.sampling)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("sampling.")
+                             else f"sampling.{message}") from None
         vocab = self.model_config.vocab_size
         bad = next((t for t in token_ids if t >= vocab), None)
         if bad is not None:

@@ -58,6 +58,7 @@ class LocalCluster:
     log_dir: Path | None = None
     address: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    signalled: set[str] = field(default_factory=set)  # processes meant to exit
 
     def start(self) -> LocalCluster:
         if self.processes:
@@ -70,19 +71,35 @@ class LocalCluster:
                                    *self.spec.router_args])
             if not wait_healthy(self.address, 60.0):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
-            roles = ([("prefill_worker", [], i) for i in range(self.spec.prefill)]
-                     + [("decode_worker", [], i) for i in range(self.spec.decode)]
-                     + [("decode_worker", ["--colocated"], i) for i in range(self.spec.colocated)])
-            for module, extra, i in roles:
-                name = f"{'colocated' if extra else module.split('_')[0]}-{i}"
-                self._spawn(name, [module, "--router", self.address, "--host", self.spec.host,
-                                   "--threads", str(self.spec.threads), "--model", self.spec.model,
-                                   *extra, *self._engine_args(), *self.spec.worker_args])
+            roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
+                     + ["colocated"] * self.spec.colocated)
+            for role in roles:
+                self.spawn_worker(role)
             self.wait_workers(len(roles), self.spec.ready_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def spawn_worker(self, role: str) -> str:
+        """Start one more worker process (it registers with the router on its own); its name is
+        also its worker id, e.g. "decode-2"."""
+        index = sum(name.startswith(f"{role}-") for name in self.processes)
+        name = f"{role}-{index}"
+        module = "prefill_worker" if role == "prefill" else "decode_worker"
+        extra = ["--colocated"] if role == "colocated" else []
+        self._spawn(name, [module, "--router", self.address, "--host", self.spec.host,
+                           "--threads", str(self.spec.threads), "--model", self.spec.model,
+                           "--worker-id", name, *extra, *self._engine_args(),
+                           *self.spec.worker_args])
+        return name
+
+    def signal(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
+        """Send a signal to one process of the cluster (the tests' fault injection)."""
+        proc = self.processes[name]
+        self.signalled.add(name)
+        proc.send_signal(sig)
+        return proc
 
     def _engine_args(self) -> list[str]:
         args = []
@@ -109,7 +126,8 @@ class LocalCluster:
     def wait_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = [n for n, p in self.processes.items() if p.poll() is not None]
+            dead = [n for n, p in self.processes.items()
+                    if p.poll() is not None and n not in self.signalled]
             if dead:
                 raise RuntimeError(f"cluster processes exited during start: {dead}"
                                    + (f" (logs in {self.log_dir})" if self.log_dir else ""))
@@ -121,7 +139,7 @@ class LocalCluster:
             time.sleep(0.25)
         raise TimeoutError(f"{count} workers did not register within {timeout_s:.0f}s")
 
-    def stop(self, timeout_s: float = 15.0) -> None:
+    def stop(self, timeout_s: float = 40.0) -> None:
         """SIGTERM workers then the router; SIGKILL whatever has not exited in time."""
         names = [n for n in self.processes if n != "router"] + ["router"]
         for name in names:

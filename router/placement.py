@@ -9,7 +9,9 @@ Charges are released when the worker acknowledges the work (and its heartbeat th
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.registry import Role, Worker, WorkerRegistry
@@ -77,3 +79,21 @@ class PlacementPolicy:
                 del self._pending_tokens[charge.worker_id]
             if self._pending_blocks[charge.worker_id] <= 0:
                 del self._pending_blocks[charge.worker_id]
+
+
+class Suspects:
+    """Workers that just failed one request: not placed on again by that request until
+    `ttl_s` passes (by then a dead worker has left the registry, and one still heartbeating is
+    alive and worth another try)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._since: dict[str, float] = {}
+
+    def add(self, worker_id: str) -> None:
+        self._since[worker_id] = self._clock()
+
+    def current(self) -> frozenset[str]:
+        now = self._clock()
+        return frozenset(w for w, t in self._since.items() if now - t < self.ttl_s)

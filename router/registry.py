@@ -44,6 +44,7 @@ class Worker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_heartbeat: float = 0.0
     draining: bool = False
+    metrics_address: str = ""
 
 
 class WorkerRegistry:

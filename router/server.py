@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,11 +14,15 @@ from engine.prepare import default_model_dir, is_prepared
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.admission import Admission
 from router.frontend import Frontend
-from router.orchestrator import Orchestrator, WorkerStubs
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
 from router.placement import PlacementPolicy
-from router.registry import WorkerRegistry
-from router.service import GenerationServicer, WorkerRegistryServicer
+from router.registry import Role, WorkerRegistry
+from router.service import GenerationServicer, WorkerRegistryServicer, add_generation_servicer
+from router.stubs import WorkerStubs
+from router.wire import TRANSPORT_LIMIT_BYTES
 from serving.grpc_server import Server, start_server
 
 log = logging.getLogger(__name__)
@@ -33,10 +38,21 @@ class RouterOptions:
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
     lease_s: float = 30.0
+    max_running: int = 256  # requests served at once
+    max_queued: int = 1024  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
+    metrics_port: int = 0  # 0: any free port
+    grace_s: float = 30.0  # drain on SIGTERM
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got "
+                                 f"{getattr(self, name)}")
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ValueError(f"--max-running must be >= 1 and --max-queued >= 0, got "
+                             f"{self.max_running} and {self.max_queued}")
+        if not self.grace_s > 0:
+            raise ValueError(f"--grace-s must be > 0, got {self.grace_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError("heartbeat_interval_s must be > 0 and below heartbeat_timeout_s "
                              f"({self.heartbeat_interval_s} vs {self.heartbeat_timeout_s})")
@@ -66,21 +82,49 @@ class Router:
         self.registry = WorkerRegistry(options.heartbeat_timeout_s)
         self.placement = PlacementPolicy(self.registry)
         self.frontend = Frontend(Tokenizer(path), ModelConfig.from_dir(path), self.model_name)
-        self.orchestrator = Orchestrator(self.placement, WorkerStubs(), options.lease_s)
+        self.metrics = RouterMetrics()
+        self.admission = Admission(options.max_running, options.max_queued)
+        self.orchestrator = Orchestrator(self.placement, WorkerStubs(), self.metrics,
+                                         options.lease_s)
+        self.metrics.watch(lambda: self.admission.queued, lambda: self.admission.running,
+                           self._placeable_workers)
         self._stopped = threading.Event()
         self.server: Server | None = None
+        self.generation: GenerationServicer | None = None
+
+    def _placeable_workers(self) -> dict[str, int]:
+        return {role.value: len(self.registry.placeable(lambda r, role=role: r is role))
+                for role in Role}
 
     def start(self) -> int:
-        generation = GenerationServicer(self.frontend, self.orchestrator, self.placement)
+        metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
+        self.metrics_address = f"{self.options.host}:{metrics_port}"
+        generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,
+                                        self.admission, self.metrics, self.metrics_address)
+        self.generation = generation
         registry = WorkerRegistryServicer(self.registry, self.model_name,
                                           self.options.heartbeat_interval_s)
         self.server = start_server(
             self.options.host, self.options.port,
-            [lambda s: pb_grpc.add_GenerationServicer_to_server(generation, s),
+            [lambda s: add_generation_servicer(generation, s),
              lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)],
-            SERVICE_NAMES)
+            SERVICE_NAMES, max_receive_bytes=TRANSPORT_LIMIT_BYTES,
+            # Every running or queued stream holds a handler thread; the pool must not be what
+            # limits them (gRPC would queue the excess silently instead of refusing it).
+            max_workers=self.options.max_running + self.options.max_queued + 64)
         threading.Thread(target=self._reap, name="reaper", daemon=True).start()
         return self.server.port
+
+    def drain(self) -> bool:
+        """Refuse new requests (health NOT_SERVING), let in-flight ones finish within the
+        grace period; True when all did."""
+        assert self.server is not None and self.generation is not None
+        self.generation.draining.set()
+        self.server.set_serving(False)
+        deadline = time.monotonic() + self.options.grace_s
+        while not self.admission.idle() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.admission.idle()
 
     def _reap(self) -> None:
         while not self._stopped.wait(self.options.heartbeat_interval_s):
@@ -97,10 +141,14 @@ class Router:
 def serve(options: RouterOptions) -> int:
     router = Router(options)
     port = router.start()
-    print(f"router serving on {options.host}:{port}", flush=True)
+    print(f"router serving on {options.host}:{port} "
+          f"(metrics: http://{router.metrics_address}/metrics)", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    router.stop()
+    if not router.drain():
+        log.warning("drain: requests still in flight after %.0fs; stopping anyway",
+                    options.grace_s)
+    router.stop(1.0)
     return 0

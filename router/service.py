@@ -3,6 +3,7 @@ They translate proto <-> domain; policy lives in Frontend, Orchestrator and Plac
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,12 +11,15 @@ import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.admission import Admission, LeftQueue, QueueFull
 from router.calls import CallScope, RouterError
 from router.detokenizer import IncrementalText
 from router.frontend import Frontend, Job
+from router.metrics import RouterMetrics
 from router.orchestrator import Finished, Orchestrator, Tokens
 from router.placement import PlacementPolicy
 from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.wire import Unparsable, lenient
 
 ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
                    pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
@@ -24,36 +28,79 @@ ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, orchestrator: Orchestrator,
-                 placement: PlacementPolicy):
+                 placement: PlacementPolicy, admission: Admission, metrics: RouterMetrics,
+                 metrics_address: str = ""):
         self.frontend = frontend
         self.orchestrator = orchestrator
         self.placement = placement
+        self.admission = admission
+        self.metrics = metrics
+        self.metrics_address = metrics_address
+        self.draining = threading.Event()
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    def Generate(self, request: pb.GenerateRequest | Unparsable, context: grpc.ServicerContext
                  ) -> Iterator[pb.GenerateResponse]:
+        code = grpc.StatusCode.CANCELLED  # unless it finishes or fails with a status
+        try:
+            yield from self._generate(request, context)
+            code = grpc.StatusCode.OK
+        except RouterError as exc:
+            code = exc.code
+            context.abort(exc.code, exc.message)
+        finally:
+            self.metrics.requests.labels(code.name).inc()
+
+    def _generate(self, request: pb.GenerateRequest | Unparsable,
+                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
         arrival = time.monotonic()
+        if isinstance(request, Unparsable):
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        if self.draining.is_set():
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              "the router is draining: it takes no new requests")
         try:
             job = self.frontend.parse(request, arrival)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         scope = CallScope(context.time_remaining())
         context.add_callback(scope.cancel)
+        self._enter(scope)
+        try:
+            yield from self._stream(job, scope)
+        finally:
+            self.admission.leave()
+
+    def _enter(self, scope: CallScope) -> None:
+        try:
+            self.admission.enter(scope.deadline, scope.cancelled)
+        except QueueFull as exc:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}") from None
+        except LeftQueue as exc:
+            if exc.reason == "cancelled":
+                raise RouterError(grpc.StatusCode.CANCELLED, "cancelled while queued") from None
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
+                              "passed while it waited in the router's queue") from None
+
+    def _stream(self, job: Job, scope: CallScope) -> Iterator[pb.GenerateResponse]:
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
         completion_tokens = 0
-        first_token_time = None
-        try:
-            for event in self.orchestrator.run(job, scope):
-                if isinstance(event, Tokens):
-                    first_token_time = first_token_time or time.monotonic()
-                    completion_tokens += len(event.token_ids)
-                    yield pb.GenerateResponse(request_id=job.request_id,
-                                              token_ids=event.token_ids,
-                                              text=text.add(event.token_ids),
-                                              logprobs=event.logprobs)
+        first_token_time = last_token_time = None
+        for event in self.orchestrator.run(job, scope):
+            now = time.monotonic()
+            if isinstance(event, Tokens):
+                if first_token_time is None:
+                    first_token_time = now
+                    self.metrics.ttft.observe(now - job.arrival)
                 else:
-                    yield self._last(job, event, text, completion_tokens, first_token_time)
-        except RouterError as exc:
-            context.abort(exc.code, exc.message)
+                    self.metrics.itl.observe(now - last_token_time)
+                last_token_time = now
+                completion_tokens += len(event.token_ids)
+                yield pb.GenerateResponse(request_id=job.request_id, token_ids=event.token_ids,
+                                          text=text.add(event.token_ids),
+                                          logprobs=event.logprobs)
+            else:
+                self.metrics.e2e.observe(now - job.arrival)
+                yield self._last(job, event, text, completion_tokens, first_token_time)
 
     def _last(self, job: Job, end: Finished, text: IncrementalText, completion_tokens: int,
               first_token_time: float | None) -> pb.GenerateResponse:
@@ -96,8 +143,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 running_requests=w.load.running_requests,
                 waiting_requests=w.load.waiting_requests,
                 free_blocks=max(0, self.placement.free_blocks(w)),
-                total_blocks=w.load.total_blocks, seconds_since_heartbeat=age))
-        return pb.ClusterStatus(model=self.frontend.model_name, workers=workers)
+                total_blocks=w.load.total_blocks, seconds_since_heartbeat=age,
+                draining=w.draining, metrics_address=w.metrics_address))
+        return pb.ClusterStatus(model=self.frontend.model_name, workers=workers,
+                                queued_requests=self.admission.queued,
+                                running_requests=self.admission.running,
+                                metrics_address=self.metrics_address)
 
 
 class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
@@ -122,13 +173,13 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
             address=request.address, block_size=request.block_size,
             max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
-            load=_load(request.load)))
+            load=_load(request.load), metrics_address=request.metrics_address))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self.registry.heartbeat(request.worker_id,
-                                                                  _load(request.load)))
+        return pb.HeartbeatResponse(known=self.registry.heartbeat(
+            request.worker_id, _load(request.load), draining=request.draining))
 
 
 def _load(load: pb.WorkerLoad) -> WorkerLoad:
@@ -136,3 +187,24 @@ def _load(load: pb.WorkerLoad) -> WorkerLoad:
                       running_requests=load.running_requests,
                       waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
                       total_blocks=load.total_blocks)
+
+
+def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:
+    """Like the generated `add_GenerationServicer_to_server`, but requests are deserialized
+    leniently: an oversized or malformed one reaches the servicer as `Unparsable` and is
+    answered INVALID_ARGUMENT naming the field, instead of gRPC's bare INTERNAL."""
+    request = lenient(pb.GenerateRequest)
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Complete": grpc.unary_unary_rpc_method_handler(
+            servicer.Complete, request_deserializer=request,
+            response_serializer=pb.CompleteResponse.SerializeToString),
+        "GetClusterStatus": grpc.unary_unary_rpc_method_handler(
+            servicer.GetClusterStatus,
+            request_deserializer=pb.ClusterStatusRequest.FromString,
+            response_serializer=pb.ClusterStatus.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

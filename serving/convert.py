@@ -20,12 +20,14 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 def sampling_from_proto(options: Any) -> SamplingParams:
     """SamplingOptions -> SamplingParams; ValueError names the bad field and its limit.
-    Proto3 zeros mean "unset": max_tokens 0 -> 16, top_k 0 -> disabled, top_p 0 -> 1.0."""
+    Absent max_tokens -> 16 (an explicit 0 is an error); proto3 zeros mean "unset" for the
+    rest: top_k 0 -> disabled, top_p 0 -> 1.0."""
     for i, stop in enumerate(options.stop):
         if "\ufffd" in stop:  # protobuf replaced invalid UTF-8 (or the caller sent U+FFFD)
             raise ValueError(f"sampling.stop[{i}] is not valid UTF-8 text")
     return SamplingParams(
-        max_tokens=options.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=(options.max_tokens if options.HasField("max_tokens")
+                    else DEFAULT_MAX_TOKENS),
         temperature=options.temperature,
         top_k=options.top_k if options.top_k != 0 else -1,
         top_p=options.top_p if options.top_p != 0 else 1.0,

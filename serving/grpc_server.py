@@ -35,10 +35,11 @@ class Server:
 
 
 def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], None]],
-                 service_names: Sequence[str], max_workers: int = 128) -> Server:
+                 service_names: Sequence[str], max_workers: int = 128,
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
     """Bind host:port (port 0 picks a free one), register the services plus health and
     reflection, start, and mark every service SERVING."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)

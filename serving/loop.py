@@ -31,6 +31,24 @@ class LoadSnapshot:
     waiting_requests: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    # Exported as metrics, not sent to the router:
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens \
+            else 0.0
+
+
+class OutputObserver(Protocol):
+    """Sees every output delivered to a request (metrics), on the loop thread."""
+
+    def observe_output(self, output: RequestOutput) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
 
 
 class StepPolicy(Protocol):
@@ -51,9 +69,10 @@ class NoPolicy:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, policy: StepPolicy | None = None,
-                 idle_wait_s: float = 0.05):
+                 idle_wait_s: float = 0.05, observer: OutputObserver | None = None):
         self.engine = engine
         self.policy = policy or NoPolicy()
+        self.observer = observer
         self.idle_wait_s = idle_wait_s
         self.sinks: dict[str, Sink] = {}
         self.load = LoadSnapshot()
@@ -142,8 +161,12 @@ class EngineLoop:
         sink = self.sinks.get(rid) if rid is not None else None
         if isinstance(item, BaseException) or item.finished:
             self.sinks.pop(rid, None)
+        if self.observer is not None and isinstance(item, RequestOutput):
+            self.observer.observe_output(item)
         if sink is not None:
             sink(item)
+        if self.observer is not None and rid is not None and rid not in self.sinks:
+            self.observer.forget(rid)  # finished, failed or handed off: no more outputs here
 
     def _fail_all(self, error: BaseException) -> None:
         for request in list(self.engine.scheduler.all_requests()):
@@ -154,13 +177,23 @@ class EngineLoop:
     def _refresh_load(self) -> None:
         engine = self.engine
         sched = engine.scheduler
+        blocks = engine.block_manager
         queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
                      for r in sched.all_requests())
         self.load = LoadSnapshot(
             queued_prompt_tokens=queued,
             running_requests=sched.num_running,
             waiting_requests=sched.num_waiting,
-            free_blocks=engine.block_manager.num_free_blocks,
-            total_blocks=engine.block_manager.num_blocks,
+            free_blocks=blocks.num_free_blocks,
+            total_blocks=blocks.num_blocks,
+            prefix_query_tokens=blocks.prefix_queries,
+            prefix_hit_tokens=blocks.prefix_hits,
+            preemptions=sched.num_preemptions,
+            steps=self.num_steps,
         )
+
+    def num_in_flight(self) -> int:
+        """Requests this loop still serves (queued, running or awaiting delivery); loop thread."""
+        return len(set(r.request_id for r in self.engine.scheduler.all_requests())
+                   | set(self.sinks))
 

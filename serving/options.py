@@ -24,15 +24,22 @@ class WorkerOptions:
     connect_timeout_s: float = 60.0  # waiting for the router at start
     transfer_timeout_s: float = 30.0  # one KV transfer (rendezvous included)
     lease_s: float = 30.0  # decode: reserved blocks freed when no KV arrives in this time
-    grace_s: float = 5.0  # in-flight work allowed to finish on shutdown
+    grace_s: float = 30.0  # drain: accepted work allowed to finish after SIGTERM
+    metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
+    max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
         if ":" not in self.router:
             raise ValueError(f"--router must be host:port, got {self.router!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got "
+                                 f"{getattr(self, name)}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be >= 1, got "
+                             f"{self.max_queued_requests}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "grace_s"):
@@ -65,6 +72,11 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    parser.add_argument("--grace-s", type=float, default=30.0,
+                        help="on SIGTERM: seconds accepted work may take to finish")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Prometheus /metrics port (0: any free port, shown at start)")
+    parser.add_argument("--max-queued-requests", type=int, default=1024)
     args = parser.parse_args(argv)
     if getattr(args, "colocated", False):
         role = "colocated"
@@ -73,4 +85,5 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
         advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
-        transfer_timeout_s=args.transfer_timeout_s)
+        transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
+        metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests)

@@ -36,6 +36,7 @@ class RouterLink:
         self.registration = registration
         self.load = load
         self.heartbeat_interval_s = 0.5
+        self.draining = False  # sent with every heartbeat: the router stops placing on us
         self._channel = channel(router_address)
         self._stub = pb_grpc.WorkerRegistryStub(self._channel)
         self._stopped = threading.Event()
@@ -68,14 +69,22 @@ class RouterLink:
         self._thread.join(RPC_TIMEOUT_S + 1.0)
         self._channel.close()
 
+    def drain(self) -> None:
+        """Tell the router now (not at the next beat) that this worker takes nothing new."""
+        self.draining = True
+        self.beat()
+
     def _run(self) -> None:
         while not self._stopped.wait(self.heartbeat_interval_s):
-            try:
-                reply = self._stub.Heartbeat(
-                    pb.HeartbeatRequest(worker_id=self.registration.worker_id,
-                                        load=load_to_proto(self.load())),
-                    timeout=RPC_TIMEOUT_S)
-                if not reply.known:
-                    self._register_once()
-            except grpc.RpcError as exc:  # router down or restarting: keep trying
-                log.debug("heartbeat to %s failed: %s", self.router_address, exc.code().name)
+            self.beat()
+
+    def beat(self) -> None:
+        try:
+            reply = self._stub.Heartbeat(
+                pb.HeartbeatRequest(worker_id=self.registration.worker_id,
+                                    load=load_to_proto(self.load()), draining=self.draining),
+                timeout=RPC_TIMEOUT_S)
+            if not reply.known and not self.draining:
+                self._register_once()
+        except grpc.RpcError as exc:  # router down or restarting: keep trying
+            log.debug("heartbeat to %s failed: %s", self.router_address, exc.code().name)

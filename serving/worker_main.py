@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -13,8 +14,10 @@ import grpc
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from pdserve_proto import pdserve_pb2 as pb
+from serving.gate import Gate
 from serving.grpc_server import Server, start_server
 from serving.loop import EngineLoop
+from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions, parse_worker_args
 from serving.router_link import ROLES, RouterLink, load_to_proto
 
@@ -25,10 +28,14 @@ class WorkerRole(Protocol):
     """A role's servicers around a shared EngineLoop."""
 
     loop: EngineLoop
+    metrics: WorkerMetrics
+    gate: Gate
     service_names: list[str]
     transfer_host: str
 
     def add_to_server(self, server: grpc.Server) -> None: ...
+
+    def in_flight(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -53,41 +60,62 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
                                   scheduler=scheduler))
 
 
-def registration(options: WorkerOptions, loop: EngineLoop, address: str,
-                 transfer_host: str, model_name: str) -> pb.RegisterRequest:
-    engine = loop.engine
+def registration(options: WorkerOptions, role: WorkerRole, address: str,
+                 metrics_address: str, model_name: str) -> pb.RegisterRequest:
+    engine = role.loop.engine
     return pb.RegisterRequest(
         worker_id=options.worker_id, role=ROLES[options.role], address=address,
         model=model_name, block_size=engine.block_manager.block_size,
-        max_model_len=engine.max_model_len, kv_transfer_host=transfer_host,
-        load=load_to_proto(loop.load))
+        max_model_len=engine.max_model_len, kv_transfer_host=role.transfer_host,
+        load=load_to_proto(role.loop.load), metrics_address=metrics_address)
 
 
 def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
           stop: threading.Event | None = None) -> int:
-    """Run until SIGINT/SIGTERM (or `stop` is set); return the exit code."""
+    """Run until SIGINT/SIGTERM (or `stop` is set), drain, and return the exit code."""
     stop = stop or threading.Event()
     role.loop.start()
     server: Server = start_server(options.host, options.port, [role.add_to_server],
                                   role.service_names)
     address = f"{options.public_host}:{server.port}"
+    metrics_port = role.metrics.serve(options.host, options.metrics_port)
+    metrics_address = f"{options.public_host}:{metrics_port}"
     link = RouterLink(options.router,
-                      registration(options, role.loop, address, role.transfer_host, model_name),
+                      registration(options, role, address, metrics_address, model_name),
                       lambda: role.loop.load)
     _install_signal_handlers(stop)
     try:
         link.register(options.connect_timeout_s)
         link.start()
-        print(f"{options.role} worker {options.worker_id} serving on {address}", flush=True)
+        print(f"{options.role} worker {options.worker_id} serving on {address} "
+              f"(metrics: http://{metrics_address}/metrics)", flush=True)
         stop.wait()
+        drain(role, server, link, options.grace_s)
     finally:
         log.info("worker %s stopping", options.worker_id)
-        server.set_serving(False)
         link.stop()
-        server.stop(options.grace_s)
+        server.stop(1.0)
         role.loop.stop()
         role.close()
     return 0
+
+
+def drain(role: WorkerRole, server: Server, link: RouterLink, grace_s: float) -> None:
+    """Stop taking new requests (health NOT_SERVING, the router told at once), then let the
+    accepted ones finish — their KV transfers and streams still run — for at most `grace_s`."""
+    role.gate.draining.set()
+    server.set_serving(False)
+    link.drain()
+    deadline = time.monotonic() + grace_s
+    left = role.in_flight()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = role.in_flight()
+    if left:
+        log.warning("drain: %d requests still in flight after %.0fs; stopping anyway", left,
+                    grace_s)
+    else:
+        log.info("drain: every accepted request finished")
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

@@ -1,0 +1,68 @@
+"""Prometheus metrics of the router, served on its /metrics HTTP endpoint. The servicer and the
+orchestrator record events; queue depth and running requests are read from the admission queue
+at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+
+
+class QueueCollector(Collector):
+    def __init__(self, queued: Callable[[], int], running: Callable[[], int],
+                 workers: Callable[[], dict[str, int]]):
+        self._queued = queued
+        self._running = running
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("pdserve_router_queue_depth",
+                                "Requests waiting in the router for a slot", value=self._queued())
+        yield GaugeMetricFamily("pdserve_router_running_requests",
+                                "Requests the router is serving", value=self._running())
+        workers = GaugeMetricFamily("pdserve_router_workers", "Placeable workers by role",
+                                    labels=["role"])
+        for role, count in self._workers().items():
+            workers.add_metric([role], count)
+        yield workers
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.ttft = Histogram("pdserve_router_ttft_seconds", "Arrival to the first token",
+                              registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
+                             "Time between consecutive token messages of a stream",
+                             registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token of a "
+                             "finished request", registry=self.registry,
+                             buckets=LATENCY_BUCKETS)
+        self.requests = Counter("pdserve_router_requests", "Requests ended, by gRPC status code "
+                                "(OK, or why it was rejected or failed)", ["code"],
+                                registry=self.registry)
+        self.retries = Counter("pdserve_router_retries", "Prefill attempts retried on another "
+                               "worker after a failure", registry=self.registry)
+        self.migrations = Counter("pdserve_router_migrations", "Requests moved to another "
+                                  "decode worker mid-stream", registry=self.registry)
+        self.kv_transfer_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes moved "
+                                         "from prefill to decode workers",
+                                         registry=self.registry)
+        self.kv_transfer_seconds = Counter("pdserve_router_kv_transfer_seconds", "Seconds "
+                                           "spent moving KV", registry=self.registry)
+        self.http_port = 0
+
+    def watch(self, queued: Callable[[], int], running: Callable[[], int],
+              workers: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(QueueCollector(queued, running, workers))
+
+    def serve(self, host: str, port: int) -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.http_port = server.server_port
+        return self.http_port
