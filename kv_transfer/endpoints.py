@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 
@@ -80,7 +81,10 @@ class KVSender:
     def __init__(self, worker_id: str, host: str, device: torch.device, timeout_s: float):
         self.worker_id = worker_id
         self.timeout_s = timeout_s
-        self.registry = PairRegistry(SENDER_RANK, device, host, timeout_s)
+        # A sender restarted under the same id must not reuse a generation (and with it the
+        # store keys) of its previous life: each process starts at a random generation.
+        self.registry = PairRegistry(SENDER_RANK, device, host, timeout_s,
+                                     first_generation=secrets.randbelow(2**31))
         self._stores: dict[str, dist.TCPStore] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._tags = itertools.count(1)

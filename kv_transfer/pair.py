@@ -78,8 +78,9 @@ class PairRegistry:
     control message, so both sides rendezvous under the same store prefix)."""
 
     def __init__(self, rank: int, device: torch.device, host: str,
-                 rendezvous_timeout_s: float = 30.0):
+                 rendezvous_timeout_s: float = 30.0, first_generation: int = 0):
         self.rank = rank
+        self.first_generation = first_generation
         self.device = device
         self.host = host
         self.timeout_s = rendezvous_timeout_s
@@ -102,7 +103,9 @@ class PairRegistry:
         """The generation a sender should name for `key`: the live pair's, else a fresh one."""
         with self._lock:
             pair = self._pairs.get(key)
-            return pair.generation if pair is not None else self._next_generation.get(key, 0)
+            if pair is not None:
+                return pair.generation
+            return self._next_generation.get(key, self.first_generation)
 
     def tear_down(self, key: str) -> None:
         """Forget a broken pair; the next `get` rendezvouses anew under the next generation."""

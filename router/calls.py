@@ -33,13 +33,17 @@ class CallScope:
         self._calls: list[Any] = []
         self._lock = threading.Lock()
 
+    def expired(self) -> bool:
+        """The deadline passed (gRPC also cancels the call then: that is not a client cancel)."""
+        return time.monotonic() >= self.deadline
+
     def timeout(self) -> float:
         """Seconds left for the next worker call; DEADLINE_EXCEEDED once none are left."""
-        if self.cancelled.is_set():
-            raise RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+        if self.cancelled.is_set():
+            raise RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
         return left
 
     def track(self, call: Any) -> Any:
@@ -67,6 +71,7 @@ class CallScope:
         try:
             return future.result()
         except grpc.FutureCancelledError:
+            self.timeout()  # DEADLINE_EXCEEDED if that is why the call was cancelled
             raise RouterError(grpc.StatusCode.CANCELLED,
                               "the client cancelled the request") from None
         except grpc.RpcError as exc:
@@ -75,6 +80,9 @@ class CallScope:
 
 def worker_error(exc: grpc.RpcError, what: str, scope: CallScope) -> RouterError:
     code = exc.code()
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED or scope.expired():
+        return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"{what}: the request's deadline passed")
     if scope.cancelled.is_set() or code is grpc.StatusCode.CANCELLED:
         return RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -76,7 +76,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except QueueFull as exc:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}") from None
         except LeftQueue as exc:
-            if exc.reason == "cancelled":
+            if exc.reason == "cancelled" and not scope.expired():
                 raise RouterError(grpc.StatusCode.CANCELLED, "cancelled while queued") from None
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
                               "passed while it waited in the router's queue") from None

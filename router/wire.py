@@ -75,7 +75,7 @@ def _check_field(chunk: bytes, field: FieldDescriptor | None, prefix: str,
     if field is None:
         return None
     name = prefix + field.name
-    if field.label == FieldDescriptor.LABEL_REPEATED:
+    if field.is_repeated:
         index = seen.get(field.number, 0)
         seen[field.number] = index + 1
         name += f"[{index}]"

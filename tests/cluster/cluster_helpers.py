@@ -107,3 +107,31 @@ class LoadWatcher:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(5.0)
+
+
+def scrape(address: str) -> dict[str, float]:
+    """Every sample of a /metrics endpoint, keyed by name{labels} (labels sorted)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def worker_status(cluster: LocalCluster, worker_id: str) -> pb.WorkerStatus | None:
+    return next((w for w in cluster.status().workers if w.worker_id == worker_id), None)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)

@@ -48,15 +48,22 @@ def receiver(queue, plan: list[str]) -> None:
         queue.put(("ok", step, float(sum(t.double().sum() for t in received)), stats.num_bytes))
 
 
-def sender(port: int, plan: list[str]) -> None:
+def sender(port: int, plan: list[str], first_generation: int = 0) -> None:
+    """'send' a transfer, 'timeout' (never send), or 'die' (send one layer, then the process
+    dies mid-transfer as a SIGKILL would leave it: no goodbye to the peer)."""
+    import os
+
     from kv_transfer import send_blocks
 
     store = connect_store(f"127.0.0.1:{port}")
     registry = PairRegistry(SENDER_RANK, torch.device("cpu"), "127.0.0.1")
     caches = make_caches(seed=1)
-    for generation, step in enumerate(plan):
+    for generation, step in enumerate(plan, start=first_generation):
         pair = registry.get(store, "p->d", generation)
         if step == "timeout":
             continue  # never send: the receiver must give up on its own
-        send_blocks(pair, tag=generation, layers=pack_blocks(caches, SRC_BLOCKS),
-                    timeout_s=TIMEOUT_S)
+        layers = pack_blocks(caches, SRC_BLOCKS)
+        if step == "die":
+            pair.group.send([layers[0]], pair.peer, generation).wait()
+            os._exit(1)
+        send_blocks(pair, tag=generation, layers=layers, timeout_s=TIMEOUT_S)

@@ -1,9 +1,11 @@
 """The cluster's API surface against one 1P+1D cluster: health, reflection, status, bad input,
-client cancel, deadlines, Complete — and no KV block leaked by any of them."""
+client cancel, deadlines, Complete, overload, lease expiry, metrics — and no KV block leaked by
+any of them. The router here serves 3 requests at once and queues 3 more."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -19,17 +21,25 @@ from tests.cluster.cluster_helpers import (
     greedy_request,
     long_prompt,
     rpc_error,
+    scrape,
     start_cluster,
     stream_tokens,
     wait_blocks_free,
+    wait_until,
+    worker_status,
 )
 
 pytestmark = pytest.mark.slow
 
 
+MAX_RUNNING, MAX_QUEUED = 3, 3
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with start_cluster(tmp_path_factory.mktemp("api"), prefill=1, decode=1) as running:
+    with start_cluster(tmp_path_factory.mktemp("api"), prefill=1, decode=1,
+                       router_args=("--max-running", str(MAX_RUNNING),
+                                    "--max-queued", str(MAX_QUEUED))) as running:
         yield running
 
 
@@ -76,11 +86,41 @@ def test_status_lists_workers_and_their_load(cluster, stub):
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(top_p=1.5)), "top_p"),
     (pb.GenerateRequest(prompt="hi", model="gpt-4"), "model"),
     (pb.GenerateRequest(sampling=pb.SamplingOptions(max_tokens=4)), "prompt"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(max_tokens=0)),
+     "sampling.max_tokens must be >= 1"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(temperature=float("nan"))),
+     "sampling.temperature"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(top_k=-5)), "sampling.top_k"),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(stop_token_ids=[10**6])),
+     "stop_token_ids"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 8190)), "8192"),
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(cluster, stub, request_, field):
     exc = rpc_error(lambda: list(stub.Generate(request_, timeout=30)))
     assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert field in exc.details()
+
+
+def _raw_generate(address: str, data: bytes) -> grpc.RpcError:
+    """Send raw bytes as a GenerateRequest (a client that is not this project's)."""
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as ch:
+        call = ch.unary_stream("/pdserve.v1.Generation/Generate",
+                               response_deserializer=pb.GenerateResponse.FromString)
+        return rpc_error(lambda: list(call(data, timeout=60)))
+
+
+def test_invalid_utf8_and_oversized_requests_are_invalid_argument(cluster):
+    before = [w.free_blocks for w in wait_blocks_free(cluster)]
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(stop=["XY"]))
+    exc = _raw_generate(cluster.address,
+                        request.SerializeToString().replace(b"XY", b"\xff\xfe"))
+    assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.stop[0] is not valid UTF-8" in exc.details()
+    huge = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[40000] * 6_000_000))
+    exc = _raw_generate(cluster.address, huge.SerializeToString())
+    assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "limit is 16777216 bytes" in exc.details()
+    assert [w.free_blocks for w in wait_blocks_free(cluster)] == before  # nothing allocated
 
 
 def test_complete_returns_what_generate_streams(cluster, stub):
@@ -117,3 +157,113 @@ def test_deadline_is_propagated_and_frees_everything(cluster, stub):
                                                timeout=1.5)))
     assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     _assert_no_leak(cluster)
+
+
+def test_a_burst_of_four_times_capacity_loses_nothing_it_accepted(cluster):
+    prompt = long_prompt()[:40]
+    expected, _, _ = stream_tokens(cluster.address, greedy_request(prompt, max_tokens=10))
+    burst = 4 * (MAX_RUNNING + MAX_QUEUED)
+    with ThreadPoolExecutor(burst) as pool:
+        futures = [pool.submit(stream_tokens, cluster.address,
+                               greedy_request(prompt, max_tokens=10)) for _ in range(burst)]
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result()[0])
+            except grpc.RpcError as exc:
+                outcomes.append(exc)
+    refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+    served = [o for o in outcomes if not isinstance(o, grpc.RpcError)]
+    assert refused and len(served) >= MAX_RUNNING + MAX_QUEUED
+    for exc in refused:
+        assert exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued" in exc.details()
+    assert all(tokens == expected for tokens in served)  # every accepted one, correct
+    _assert_no_leak(cluster)
+
+
+def _prefill_ttft_count(cluster) -> float:
+    prefill = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_PREFILL)
+    return scrape(prefill.metrics_address).get(
+        'pdserve_worker_ttft_seconds_count{role=prefill}', 0.0)
+
+
+def test_a_deadline_passing_in_the_router_queue_never_reaches_a_worker(cluster, stub):
+    calls = [stub.Generate(greedy_request(long_prompt()[:30], max_tokens=300), timeout=120)
+             for _ in range(MAX_RUNNING)]
+    for call in calls:  # every slot is taken and each request is past its prefill
+        next(call)
+    prefilled = _prefill_ttft_count(cluster)
+    router = cluster.status().metrics_address
+    expired = 'pdserve_router_requests_total{code=DEADLINE_EXCEEDED}'
+    expired_before = scrape(router).get(expired, 0.0)
+    exc = rpc_error(lambda: list(stub.Generate(greedy_request([1, 2, 3], max_tokens=4),
+                                               timeout=1.0)))
+    assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: scrape(router).get(expired, 0.0) >= expired_before + 1, 5.0,
+               "the router to count the expired request")
+    assert _prefill_ttft_count(cluster) == prefilled
+    for call in calls:
+        call.cancel()
+    _assert_no_leak(cluster)
+
+
+def test_a_deadline_passing_mid_stream_aborts_on_both_workers(cluster, stub):
+    call = stub.Generate(greedy_request([1, 2, 3, 4], max_tokens=2000), timeout=6.0)
+    received = 0
+    with pytest.raises(grpc.RpcError) as failed:
+        for part in call:
+            received += len(part.token_ids)
+    assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and received > 0
+    _assert_no_leak(cluster)
+
+
+def test_reserved_blocks_whose_kv_never_arrives_are_freed_by_the_lease(cluster):
+    decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
+    with channel(decode.address) as ch:
+        reply = pb_grpc.DecodeWorkerStub(ch).Reserve(pb.ReserveRequest(
+            request_id="orphan", prompt_token_ids=list(range(1, 200)),
+            sampling=pb.SamplingOptions(max_tokens=4), lease_s=2.0), timeout=10)
+    assert len(reply.block_ids) == 13
+    wait_until(lambda: worker_status(cluster, decode.worker_id).free_blocks
+               == decode.total_blocks - 13, 5.0, "the reservation to show")
+    _assert_no_leak(cluster)  # nobody aborts it: only the lease can free it
+
+
+def test_metrics_move_on_router_and_workers(cluster, stub):
+    status = cluster.status()
+    workers = {w.role: w.metrics_address for w in status.workers}
+    before = [scrape(status.metrics_address), scrape(workers[pb.WORKER_ROLE_PREFILL]),
+              scrape(workers[pb.WORKER_ROLE_DECODE])]
+    for _ in range(2):
+        stream_tokens(cluster.address, greedy_request(long_prompt()[:100], max_tokens=6))
+    rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=10)))
+    after = [scrape(status.metrics_address), scrape(workers[pb.WORKER_ROLE_PREFILL]),
+             scrape(workers[pb.WORKER_ROLE_DECODE])]
+
+    def moved(i: int, name: str) -> float:
+        return after[i].get(name, 0.0) - before[i].get(name, 0.0)
+
+    assert moved(0, "pdserve_router_ttft_seconds_count{}") == 2
+    assert moved(0, "pdserve_router_inter_token_latency_seconds_count{}") >= 2 * 5
+    assert moved(0, "pdserve_router_e2e_seconds_count{}") == 2
+    assert moved(0, "pdserve_router_requests_total{code=OK}") == 2
+    assert moved(0, "pdserve_router_requests_total{code=INVALID_ARGUMENT}") == 1
+    assert moved(0, "pdserve_router_kv_transfer_bytes_total{}") > 0
+    assert after[0]["pdserve_router_workers{role=decode}"] == 1
+    assert "pdserve_router_queue_depth{}" in after[0]
+    assert moved(1, "pdserve_worker_ttft_seconds_count{role=prefill}") == 2
+    assert moved(1, "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}") > 0
+    assert moved(1, "pdserve_worker_prefix_cache_queries_tokens_total{role=prefill}") >= 200
+    # the second identical prompt hits the prefix cache
+    assert moved(1, "pdserve_worker_prefix_cache_hits_tokens_total{role=prefill}") >= 96
+    assert moved(2, "pdserve_worker_kv_transfer_bytes_total{direction=received,role=decode}") \
+        == moved(1, "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}")
+    assert moved(2, "pdserve_worker_inter_token_latency_seconds_count{role=decode}") > 0
+    assert moved(2, "pdserve_worker_e2e_seconds_count{role=decode}") == 2
+    assert after[2]["pdserve_worker_kv_blocks_total{role=decode}"] > 0
+    for name in ("pdserve_worker_preemptions_total{role=decode}",
+                 "pdserve_worker_prefix_cache_hit_rate{role=prefill}",
+                 "pdserve_worker_kv_blocks_used{role=decode}",
+                 "pdserve_worker_running_requests{role=decode}",
+                 "pdserve_worker_waiting_requests{role=prefill}"):
+        assert any(name in a for a in after), name

@@ -42,3 +42,28 @@ def test_timeout_when_the_peer_never_sends_then_the_rebuilt_pair_works():
     assert timeout[0] == "error" and "timed out" in timeout[2]
     assert again[0] == "ok"
     assert again[2] == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)
+
+
+def test_a_sender_dying_mid_transfer_is_an_error_then_a_new_sender_gets_through():
+    """The receiver sees the peer vanish during a transfer: TransferError, pair torn down; a
+    restarted sender (new process, same id) rendezvouses under the next generation and its
+    transfer arrives intact."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    recv = ctx.Process(target=kv_peers.receiver, args=(queue, ["recv", "recv"]), daemon=True)
+    recv.start()
+    kind, port = queue.get(timeout=60)
+    dying = ctx.Process(target=kv_peers.sender, args=(port, ["die"]), daemon=True)
+    dying.start()
+    broken = queue.get(timeout=60)
+    dying.join(timeout=30)
+    assert dying.exitcode == 1
+    assert broken[0] == "error"
+    restarted = ctx.Process(target=kv_peers.sender, args=(port, ["send"], 1), daemon=True)
+    restarted.start()
+    again = queue.get(timeout=60)
+    for proc in (restarted, recv):
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    assert again[0] == "ok"
+    assert again[2] == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)

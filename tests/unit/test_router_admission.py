@@ -1,0 +1,116 @@
+"""Router reliability pieces without processes: the bounded queue, suspects, the migration
+continuation, and locating invalid UTF-8 in a raw request."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from engine.request import SamplingParams
+from pdserve_proto import pdserve_pb2 as pb
+from router.admission import Admission, LeftQueue, QueueFull
+from router.frontend import Job
+from router.orchestrator import _continuation
+from router.placement import Suspects
+from router.wire import MAX_REQUEST_BYTES, Unparsable, find_bad_utf8, lenient
+
+
+def _far() -> float:
+    return time.monotonic() + 30
+
+
+def test_admission_runs_up_to_the_limit_queues_then_refuses_at_once():
+    admission = Admission(max_running=2, max_queued=1)
+    never = threading.Event()
+    admission.enter(_far(), never)
+    admission.enter(_far(), never)
+    entered = threading.Event()
+    waiter = threading.Thread(target=lambda: (admission.enter(_far(), never), entered.set()))
+    waiter.start()
+    while admission.queued == 0:
+        time.sleep(0.01)
+    with pytest.raises(QueueFull, match="--max-queued"):
+        admission.enter(_far(), never)
+    assert not entered.is_set()
+    admission.leave()
+    waiter.join(5)
+    assert entered.is_set() and admission.running == 2 and admission.queued == 0
+    admission.leave()
+    admission.leave()
+    assert admission.idle()
+
+
+def test_a_queued_request_leaves_on_its_deadline_or_cancel_without_a_slot():
+    admission = Admission(max_running=1, max_queued=4)
+    never = threading.Event()
+    admission.enter(_far(), never)
+    with pytest.raises(LeftQueue) as left:
+        admission.enter(time.monotonic() + 0.1, never)
+    assert left.value.reason == "deadline"
+    cancelled = threading.Event()
+    threading.Timer(0.1, cancelled.set).start()
+    with pytest.raises(LeftQueue) as left:
+        admission.enter(_far(), cancelled)
+    assert left.value.reason == "cancelled"
+    assert admission.running == 1 and admission.queued == 0
+
+
+def test_admission_is_first_come_first_served():
+    admission = Admission(max_running=1, max_queued=8)
+    never = threading.Event()
+    admission.enter(_far(), never)
+    order: list[int] = []
+
+    def wait(i: int) -> None:
+        admission.enter(_far(), never)
+        order.append(i)
+        admission.leave()
+
+    threads = []
+    for i in range(5):
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        while admission.queued < i + 1:
+            time.sleep(0.01)
+    admission.leave()
+    for t in threads:
+        t.join(5)
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_suspects_expire_after_their_ttl():
+    now = [0.0]
+    suspects = Suspects(3.0, clock=lambda: now[0])
+    suspects.add("decode-0")
+    assert suspects.current() == {"decode-0"}
+    now[0] = 3.5
+    assert suspects.current() == frozenset()
+
+
+def test_continuation_moves_streamed_tokens_into_the_prompt():
+    job = Job("r", "r#1", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0))
+    assert _continuation(job, [], 1) is job
+    moved = _continuation(job, [7, 8, 9], 2)
+    assert moved.token_ids == [1, 2, 3, 7, 8, 9] and moved.params.max_tokens == 7
+    assert moved.worker_request_id == "r#1.2" and moved.request_id == "r"
+
+
+def test_invalid_utf8_is_located_by_field_path():
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingOptions(stop=["ok", "XY"]))
+    data = request.SerializeToString().replace(b"XY", b"\xff\xfe")
+    assert find_bad_utf8(data, pb.GenerateRequest.DESCRIPTOR) == "sampling.stop[1]"
+    parsed = lenient(pb.GenerateRequest)(data)
+    assert isinstance(parsed, Unparsable) and "sampling.stop[1]" in parsed.reason
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="user", content="QQ")])).SerializeToString()
+    assert find_bad_utf8(chat.replace(b"QQ", b"\xc3("), pb.GenerateRequest.DESCRIPTOR) == \
+        "chat.messages[0].content"
+
+
+def test_oversized_requests_are_refused_before_parsing():
+    parsed = lenient(pb.GenerateRequest)(b"\0" * (MAX_REQUEST_BYTES + 1))
+    assert isinstance(parsed, Unparsable) and str(MAX_REQUEST_BYTES) in parsed.reason
+    ok = lenient(pb.GenerateRequest)(pb.GenerateRequest(prompt="hi").SerializeToString())
+    assert ok.prompt == "hi"
