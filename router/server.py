@@ -146,7 +146,8 @@ def serve(options: RouterOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.2):  # see serving.worker_main._wait_for_signal
+        pass
     if not router.drain():
         log.warning("drain: requests still in flight after %.0fs; stopping anyway",
                     options.grace_s)

@@ -89,7 +89,7 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
         link.start()
         print(f"{options.role} worker {options.worker_id} serving on {address} "
               f"(metrics: http://{metrics_address}/metrics)", flush=True)
-        stop.wait()
+        _wait_for_signal(stop)
         drain(role, server, link, options.grace_s)
     finally:
         log.info("worker %s stopping", options.worker_id)
@@ -103,6 +103,7 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
 def drain(role: WorkerRole, server: Server, link: RouterLink, grace_s: float) -> None:
     """Stop taking new requests (health NOT_SERVING, the router told at once), then let the
     accepted ones finish — their KV transfers and streams still run — for at most `grace_s`."""
+    log.info("draining: no new requests; waiting up to %.0fs for accepted ones", grace_s)
     role.gate.draining.set()
     server.set_serving(False)
     link.drain()
@@ -116,6 +117,14 @@ def drain(role: WorkerRole, server: Server, link: RouterLink, grace_s: float) ->
                     grace_s)
     else:
         log.info("drain: every accepted request finished")
+
+
+def _wait_for_signal(stop: threading.Event) -> None:
+    # A signal delivered to one of the other threads (gRPC, gloo, torch) does not interrupt the
+    # main thread's blocking wait, and Python runs handlers only on the main thread: wake up
+    # regularly so a SIGTERM is acted on at once rather than at the next signal.
+    while not stop.wait(0.2):
+        pass
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:
