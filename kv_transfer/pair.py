@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -32,7 +33,13 @@ def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> dist.TCPSto
 
 
 def connect_store(address: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """A client of the receiver's store. A dead receiver fails at once (TransferError): the
+    TCPStore client alone would retry connecting for the whole timeout."""
     host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=min(timeout_s, 5.0)).close()
+    except OSError as exc:
+        raise TransferError(f"the KV store at {address} is unreachable: {exc}") from exc
     return dist.TCPStore(host, int(port), is_master=False, timeout=_timedelta(timeout_s),
                          wait_for_workers=False)
 

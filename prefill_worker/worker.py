@@ -57,7 +57,10 @@ class PrefillWorker:
                                options.transfer_timeout_s)
         self.start_receive = start_receive
         self.shipping: dict[str, Request] = {}
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-send")
+        self.cancelled: set[str] = set()  # shipping requests aborted before their send began
+        # Sends to one decode worker run one at a time; the threads let sends to the others
+        # proceed meanwhile (a dead receiver fails fast, so none is held for long).
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                 target: DecodeTarget, timeout_s: float) -> PrefillResult:
@@ -104,6 +107,8 @@ class PrefillWorker:
         dtype = str(engine.dtype).removeprefix("torch.")
         acks: list[Callable[[float], object]] = []
         try:
+            if request.request_id in self.cancelled:
+                raise RuntimeError(f"request {request.request_id} aborted before its KV was sent")
             stats = self.sender.send(
                 target.worker_id, target.transfer_address, engine.runner.kv_caches, blocks,
                 lambda generation, tag: acks.append(self.start_receive(
@@ -121,6 +126,7 @@ class PrefillWorker:
 
     def _release(self, engine: LLMEngine, request: Request) -> None:
         self.shipping.pop(request.request_id, None)
+        self.cancelled.discard(request.request_id)
         engine.release(request)
 
     def _result(self, first: RequestOutput, stats: TransferStats | None) -> PrefillResult:
@@ -134,14 +140,17 @@ class PrefillWorker:
             transfer=stats)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a queued or computing request (its blocks are freed); a request whose KV is
-        already being shipped finishes shipping and is freed after the acknowledgement."""
+        """Drop a queued or computing request (its blocks are freed); a request waiting to ship
+        is not sent; one whose KV is being sent finishes and is freed after the ack."""
 
         def run(engine: LLMEngine) -> bool:
             if engine.abort(request_id) is not None:
                 self.loop.deliver(RuntimeError(f"request {request_id} aborted"), request_id)
                 return True
-            return request_id in self.shipping
+            if request_id in self.shipping:
+                self.cancelled.add(request_id)
+                return True
+            return False
 
         return self.loop.call(run, COMMAND_TIMEOUT_S)
 

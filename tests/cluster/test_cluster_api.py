@@ -99,6 +99,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(cluster, stub, request_,
     exc = rpc_error(lambda: list(stub.Generate(request_, timeout=30)))
     assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert field in exc.details()
+    _assert_no_leak(cluster)
 
 
 def _raw_generate(address: str, data: bytes) -> grpc.RpcError:
@@ -133,23 +134,32 @@ def test_complete_returns_what_generate_streams(cluster, stub):
 
 
 def test_client_cancel_mid_stream_frees_blocks_on_both_workers(cluster, stub):
-    call = stub.Generate(greedy_request(long_prompt()[:600], max_tokens=400), timeout=120)
-    seen = 0
-    for part in call:
-        seen += len(part.token_ids)
-        if seen >= 3:
-            break
-    call.cancel()
+    neighbour = greedy_request(long_prompt()[:50], max_tokens=30)
+    expected, _, _ = stream_tokens(cluster.address, neighbour)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(stream_tokens, cluster.address, neighbour)
+        call = stub.Generate(greedy_request(long_prompt()[:600], max_tokens=400), timeout=120)
+        seen = 0
+        for part in call:
+            seen += len(part.token_ids)
+            if seen >= 3:
+                break
+        call.cancel()
+        assert other.result()[0] == expected  # the stream beside it is unaffected
     _assert_no_leak(cluster)
     tokens, _, _ = stream_tokens(cluster.address, greedy_request([5, 6, 7], max_tokens=4))
     assert len(tokens) == 4  # the cluster keeps serving
 
 
 def test_cancel_before_prefill_finishes_leaks_nothing(cluster, stub):
-    future = stub.Complete.future(greedy_request(long_prompt(), max_tokens=4), timeout=120)
+    prefill = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_PREFILL)
+    sent = "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}"
+    sent_before = scrape(prefill.metrics_address).get(sent, 0.0)
+    future = stub.Complete.future(greedy_request(long_prompt()[5:], max_tokens=4), timeout=120)
     time.sleep(0.3)
     future.cancel()
     _assert_no_leak(cluster)
+    assert scrape(prefill.metrics_address).get(sent, 0.0) == sent_before  # nothing shipped
 
 
 def test_deadline_is_propagated_and_frees_everything(cluster, stub):
