@@ -135,3 +135,17 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(poll_s)
+
+
+def offline_greedy(prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """The offline engine's greedy tokens (float32, EOS ignored): what the cluster must match.
+    Call it before the cluster starts, so the model is not loaded twice at once."""
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm = LLM("default", dtype="float32")
+    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    del llm
+    return outputs

@@ -10,6 +10,7 @@ from tests.cluster.cluster_helpers import (
     LoadWatcher,
     greedy_request,
     long_prompt,
+    offline_greedy,
     start_cluster,
     stream_all,
     stream_tokens,
@@ -28,14 +29,7 @@ def prompts(workload_prompts) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(prompts) -> list[list[int]]:
     """The offline engine's greedy tokens, computed before any cluster process starts."""
-    from engine.llm import LLM
-    from engine.request import SamplingParams
-
-    llm = LLM("default", dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = [o.token_ids for o in llm.generate(prompts, params)]
-    del llm
-    return outputs
+    return offline_greedy(prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 2)])

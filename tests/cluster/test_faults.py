@@ -1,8 +1,9 @@
 """Worker death and drain against one 2P+2D cluster: SIGKILL a prefill worker mid-prefill (the
-request is retried), SIGKILL a decode worker mid-stream (the request migrates), SIGTERM a decode
-worker and the router mid-stream (they drain), lose every decode worker (UNAVAILABLE). Greedy
-output must equal the offline engine's — no token duplicated or missing — and no live worker may
-keep a KV block. Each test leaves the cluster with its workers replaced."""
+request is retried), SIGTERM one mid-prefill (it finishes that prefill, then exits), SIGKILL a
+decode worker mid-stream (the request migrates), SIGTERM a decode worker and the router
+mid-stream (they drain), lose every decode worker (UNAVAILABLE). Greedy output must equal the
+offline engine's — no token duplicated or missing — and no live worker may keep a KV block. Each
+test leaves the cluster with its workers replaced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import (
     greedy_request,
     long_prompt,
+    offline_greedy,
     scrape,
     start_cluster,
     stream_tokens,
@@ -37,15 +39,9 @@ LONG_TOKENS, SHORT_TOKENS = 8, 200
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     """The offline engine's greedy tokens, computed before any cluster process starts."""
-    from engine.llm import LLM
-    from engine.request import SamplingParams
-
-    llm = LLM("default", dtype="float32")
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for n in (LONG_TOKENS, SHORT_TOKENS)]
-    long, short = llm.generate([long_prompt(), SHORT_PROMPT], params)
-    del llm
-    return {"long": long.token_ids, "short": short.token_ids}
+    long, short, drained = offline_greedy([long_prompt(), SHORT_PROMPT, long_prompt()[7:]],
+                                          [LONG_TOKENS, SHORT_TOKENS, LONG_TOKENS])
+    return {"long": long, "short": short, "drained": drained}
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +127,20 @@ def test_prefill_worker_killed_mid_prefill_is_retried_on_another(cluster, refere
     cluster.signal(victim, signal.SIGKILL)
     assert result.result(timeout=240) == reference["long"]  # once, complete, correct
     assert _router_counter(cluster, "pdserve_router_retries_total{}") == retries + 1
+    _wait_dropped(cluster, victim)
+    _assert_no_leak(cluster)
+    _replace(cluster, "prefill", 4)
+
+
+def test_sigterm_drains_a_prefill_worker_after_its_accepted_prefill(cluster, reference):
+    retries = _router_counter(cluster, "pdserve_router_retries_total{}")
+    # A prompt no worker has cached, so the prefill is still running when SIGTERM arrives.
+    result = _in_background(cluster.address, greedy_request(long_prompt()[7:], LONG_TOKENS))
+    victim = _busy_worker(cluster, pb.WORKER_ROLE_PREFILL, "queued_prompt_tokens")
+    process = cluster.signal(victim, signal.SIGTERM)
+    assert result.result(timeout=240) == reference["drained"]
+    assert _router_counter(cluster, "pdserve_router_retries_total{}") == retries  # done there
+    assert process.wait(timeout=60) == 0
     _wait_dropped(cluster, victim)
     _assert_no_leak(cluster)
     _replace(cluster, "prefill", 4)

@@ -17,7 +17,13 @@ import pytest
 
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_server import channel
-from tests.cluster.cluster_helpers import greedy_request, scrape, start_cluster, wait_blocks_free
+from tests.cluster.cluster_helpers import (
+    greedy_request,
+    offline_greedy,
+    scrape,
+    start_cluster,
+    wait_blocks_free,
+)
 from tests.conftest import mixed_prompts
 
 pytestmark = pytest.mark.slow
@@ -32,14 +38,7 @@ def prompts(workload_prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(prompts) -> list[list[int]]:
-    from engine.llm import LLM
-    from engine.request import SamplingParams
-
-    llm = LLM("default", dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = [o.token_ids for o in llm.generate(prompts, params)]
-    del llm
-    return outputs
+    return offline_greedy(prompts, MAX_TOKENS)
 
 
 class Soak:
