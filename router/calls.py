@@ -9,6 +9,9 @@ from typing import Any
 import grpc
 
 DEFAULT_TIMEOUT_S = 600.0  # a client that sends no deadline still gets a bounded request
+# The client's clock starts before ours, so its deadline fires (and cancels the call) a moment
+# before our copy of it: a cancel this close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.25
 
 
 class RouterError(Exception):
@@ -35,7 +38,7 @@ class CallScope:
 
     def expired(self) -> bool:
         """The deadline passed (gRPC also cancels the call then: that is not a client cancel)."""
-        return time.monotonic() >= self.deadline
+        return time.monotonic() >= self.deadline - DEADLINE_SLACK_S
 
     def timeout(self) -> float:
         """Seconds left for the next worker call; DEADLINE_EXCEEDED once none are left."""

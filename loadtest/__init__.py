@@ -1,0 +1,1 @@
+"""Locust load tests of a running cluster against TTFT / ITL SLOs (see README)."""

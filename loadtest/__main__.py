@@ -1,0 +1,94 @@
+"""python -m loadtest {run,local} ...
+
+  run    a headless Locust test against a running cluster (--address)
+  local  start a local cluster, run the same test against it, stop the cluster
+
+Both write Locust's CSV files and HTML report to --out, print the SLO verdict, and exit non-zero
+when an SLO is missed (or no request completed). Every run is bounded in users, requests and
+time, and targets loopback unless --address says otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.shapes import SHAPES, ShapeSpec
+from loadtest.slo import SLO
+from loadtest.workload import DEFAULT_WORKLOAD
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("run", "local"):
+        p = sub.add_parser(name)
+        if name == "run":
+            p.add_argument("--address", default="127.0.0.1:50051", help="the router")
+        else:
+            p.add_argument("--prefill", type=int, default=1)
+            p.add_argument("--decode", type=int, default=1)
+            p.add_argument("--colocated", type=int, default=0)
+            p.add_argument("--model", default="default")
+            p.add_argument("--kv-cache-gb", type=float, default=None)
+        p.add_argument("--slo", default=str(REPO_ROOT / "loadtest" / "slo.yaml"))
+        p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+        p.add_argument("--shape", default="constant", choices=SHAPES)
+        p.add_argument("--users", type=int, default=4)
+        p.add_argument("--spawn-rate", type=float, default=4.0)
+        p.add_argument("--duration-s", type=float, default=60.0)
+        p.add_argument("--max-requests", type=int, default=1000)
+        p.add_argument("--max-tokens-cap", type=int, default=0)
+        p.add_argument("--request-timeout-s", type=float, default=120.0)
+        p.add_argument("--out", type=Path, default=Path("loadtest-results"))
+    return parser
+
+
+def locust_command(args: argparse.Namespace, address: str) -> list[str]:
+    args.out.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "--host", address, "--csv", str(args.out / "locust"),
+            "--html", str(args.out / "report.html"), "--only-summary",
+            "--stop-timeout", str(int(args.request_timeout_s)),
+            "--slo", args.slo, "--workload", args.workload, "--shape", args.shape,
+            "--shape-users", str(args.users), "--shape-spawn-rate", str(args.spawn_rate),
+            "--shape-duration-s", str(args.duration_s), "--max-requests", str(args.max_requests),
+            "--max-tokens-cap", str(args.max_tokens_cap),
+            "--request-timeout-s", str(args.request_timeout_s)]
+
+
+def run_locust(args: argparse.Namespace, address: str) -> int:
+    # Validate here too, so a bad option fails before a cluster is started for nothing.
+    ShapeSpec(args.shape, args.users, args.spawn_rate, args.duration_s)
+    SLO.from_yaml(args.slo)
+    bound_s = args.duration_s + args.request_timeout_s + 60
+    try:
+        return subprocess.run(locust_command(args, address), cwd=REPO_ROOT,
+                              timeout=bound_s).returncode
+    except subprocess.TimeoutExpired:
+        print(f"locust did not end within {bound_s:.0f}s", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return run_locust(args, args.address)
+    from router.launch import ClusterSpec, LocalCluster
+
+    colocated = args.colocated
+    spec = ClusterSpec(prefill=0 if colocated else args.prefill,
+                       decode=0 if colocated else args.decode, colocated=colocated,
+                       model=args.model, port=0, kv_cache_gb=args.kv_cache_gb)
+    with LocalCluster(spec, log_dir=args.out / "logs").start() as cluster:
+        print(f"cluster ready on {cluster.address}; running the load test", flush=True)
+        return run_locust(args, cluster.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
