@@ -1,0 +1,116 @@
+"""Tables, verdicts and plots of `benchmarks.poisson` (kept apart from the runner)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks.poisson import Outcome
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- poisson:start -->", "<!-- poisson:end -->"
+ATTAINMENT = 0.9  # a topology "meets the SLO" at a rate when 90% of its requests meet both
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict:
+    done = [o for o in outcomes if o.error is None and o.end is not None]
+    span = max((o.end for o in done), default=0.0) or 1.0
+    ttft = [o.ttft for o in done if o.ttft is not None]
+    gaps = [g for o in done for g in o.gaps]
+    met = sum(o.met(ttft_slo, tpot_slo) for o in outcomes)
+    return {"ttft": [pct(ttft, q) for q in (0.5, 0.9, 0.99)],
+            "itl": [pct(gaps, q) for q in (0.5, 0.9, 0.99)],
+            "tok_s": sum(o.tokens for o in done) / span, "goodput": met / span,
+            "attainment": met / len(outcomes), "errors": len(outcomes) - len(done),
+            "ttft_all": ttft}
+
+
+def _ms(values: list[float | None]) -> str:
+    return " / ".join("–" if v is None else f"{v * 1000:,.0f}" for v in values)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "–" if not a or not b else f"{a / b:.2f}×"
+
+
+def tables(stats: dict[str, dict[float, dict]], args: argparse.Namespace) -> list[str]:
+    lines = ["| topology | rate req/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | out tok/s "
+             "| goodput req/s | SLO met | errors |", "|---|---|---|---|---|---|---|---|"]
+    for name, by_rate in stats.items():
+        for rate, s in by_rate.items():
+            lines.append(f"| {name} | {rate:g} | {_ms(s['ttft'])} | {_ms(s['itl'])} | "
+                         f"{s['tok_s']:.1f} | {s['goodput']:.3f} | {s['attainment']:.0%} | "
+                         f"{s['errors']} |")
+    names = list(stats)
+    if len(names) >= 2:
+        disagg, coloc = names[0], names[1]
+        lines += ["", f"| rate req/s | goodput {disagg} / {coloc} | ITL p99 {coloc} / {disagg} |",
+                  "|---|---|---|"]
+        for rate in stats[disagg]:
+            a, b = stats[disagg][rate], stats[coloc][rate]
+            lines.append(f"| {rate:g} | {_ratio(a['goodput'], b['goodput'])} | "
+                         f"{_ratio(b['itl'][2], a['itl'][2])} |")
+    lines.append("")
+    for name, by_rate in stats.items():
+        ok = [r for r, s in by_rate.items() if s["attainment"] >= ATTAINMENT]
+        last = f"up to {max(ok):g} req/s" if ok else "at none of the rates measured"
+        lines.append(f"- {name} meets the SLO (≥{ATTAINMENT:.0%} of requests with TTFT ≤ "
+                     f"{args.ttft_slo_s:g} s and TPOT ≤ {args.tpot_slo_s * 1000:.0f} ms) {last}.")
+    return lines
+
+
+def plot(stats: dict[str, dict[float, dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    for name, by_rate in stats.items():
+        rates = list(by_rate)
+        axes[0].plot(rates, [by_rate[r]["ttft"][2] for r in rates], "o-", label=name)
+        axes[1].plot(rates, [by_rate[r]["itl"][2] for r in rates], "o-", label=name)
+        axes[2].plot(rates, [by_rate[r]["goodput"] for r in rates], "o-", label=name)
+        top = by_rate[rates[-1]]["ttft_all"]
+        axes[3].plot(sorted(top), [(i + 1) / len(top) for i in range(len(top))], label=name)
+    titles = ["TTFT p99 (s) vs rate", "ITL p99 (s) vs rate", "goodput (req/s) vs rate",
+              "TTFT CDF at the highest rate (s)"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    for ax in axes[:3]:
+        ax.set_xlabel("arrival rate (req/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def report(results: dict[str, dict[float, list[Outcome]]], args: argparse.Namespace,
+           write: bool) -> None:
+    stats = {name: {rate: summary(out, args.ttft_slo_s, args.tpot_slo_s)
+                    for rate, out in by_rate.items()} for name, by_rate in results.items()}
+    header = [f"`python -m benchmarks.poisson --rates {args.rates} --requests {args.requests} "
+              f"--max-tokens-cap {args.max_tokens_cap} --ttft-slo-s {args.ttft_slo_s:g} "
+              f"--tpot-slo-s {args.tpot_slo_s:g}`: open-loop Poisson arrivals over "
+              "online_mixed.jsonl (greedy, fp32, 1 torch thread per worker, 2 cores).", ""]
+    body = header + tables(stats, args)
+    print("\n".join(body))
+    if not write:
+        return
+    plot(stats, ROOT / "benchmarks" / "poisson.png")
+    section = "\n".join([START, *body, "", "![latency and goodput vs rate]"
+                         "(benchmarks/poisson.png)", END])
+    path = ROOT / "BENCHMARKS.md"
+    text = path.read_text()
+    if START in text:
+        text = text[:text.index(START)] + section + text[text.index(END) + len(END):]
+    else:
+        text += "\n## Disaggregated vs colocated: Poisson arrivals\n\n" + section + "\n"
+    path.write_text(text)
