@@ -37,7 +37,11 @@ def _ms(values: list[float | None]) -> str:
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    return "–" if not a or not b else f"{a / b:.2f}×"
+    if a is None or b is None:
+        return "–"
+    if b == 0:
+        return "∞" if a > 0 else "–"
+    return f"{a / b:.2f}×"
 
 
 def tables(stats: dict[str, dict[float, dict]], args: argparse.Namespace) -> list[str]:
