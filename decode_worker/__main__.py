@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from decode_worker.role import DecodeRole
+from decode_worker.role import decode_role
 from serving.worker_main import main
 
 if __name__ == "__main__":
-    sys.exit(main("decode", DecodeRole))
+    sys.exit(main("decode", decode_role))

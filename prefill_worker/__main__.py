@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from prefill_worker.role import PrefillRole
+from prefill_worker.role import prefill_role
 from serving.worker_main import main
 
 if __name__ == "__main__":
-    sys.exit(main("prefill", PrefillRole))
+    sys.exit(main("prefill", prefill_role))

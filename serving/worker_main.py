@@ -24,20 +24,37 @@ from serving.router_link import ROLES, RouterLink, load_to_proto
 log = logging.getLogger(__name__)
 
 
-class WorkerRole(Protocol):
-    """A role's servicers around a shared EngineLoop."""
+class ServedWorker(Protocol):
+    """What both roles' workers offer the bootstrap."""
 
     loop: EngineLoop
     metrics: WorkerMetrics
     gate: Gate
-    service_names: list[str]
-    transfer_host: str
-
-    def add_to_server(self, server: grpc.Server) -> None: ...
 
     def in_flight(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+class WorkerRole:
+    """A role as the bootstrap sees it: its worker, its gRPC service and where it hosts KV
+    transfers."""
+
+    def __init__(self, worker: ServedWorker, service_names: list[str], transfer_host: str,
+                 add_servicer: Callable[[grpc.Server], None]):
+        self.worker = worker
+        self.loop = worker.loop
+        self.metrics = worker.metrics
+        self.gate = worker.gate
+        self.service_names = service_names
+        self.transfer_host = transfer_host
+        self.add_to_server = add_servicer
+
+    def in_flight(self) -> int:
+        return self.worker.in_flight()
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def main(role_name: str, make_role: Callable[[LLMEngine, WorkerOptions], WorkerRole],
