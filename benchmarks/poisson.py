@@ -20,7 +20,7 @@ import random
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -135,12 +135,17 @@ def main() -> None:
     parser.add_argument("--tpot-slo-s", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plots")
+    parser.add_argument("--json", type=Path, default=None, help="save every request's outcome")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
     plans = plan(rates, args.requests, args.max_tokens_cap, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="poisson-"))
     results = {name: run_topology(name, rates, plans, log_dir)
                for name in args.topologies.split(",")}
+    if args.json is not None:
+        args.json.write_text(json.dumps(
+            {name: {str(rate): [asdict(o) for o in outs] for rate, outs in by_rate.items()}
+             for name, by_rate in results.items()}, indent=1))
     report(results, args, write=args.write)
 
 
