@@ -2,14 +2,15 @@
 
     .venv/bin/python -m benchmarks.poisson [--topologies 1p1d,colocated2]
         [--rates 0.15,0.3,0.6,1.2] [--requests 16] [--max-tokens-cap 64]
-        [--ttft-slo-s 4] [--tpot-slo-s 0.2] [--write]
+        [--ttft-slo-s 4] [--tpot-slo-s 0.2] [--repeats 1] [--json PATH] [--write]
 
 Each topology gets its own cluster (1 torch thread per worker: 1P+1D = 2 cores, 2 colocated
 workers = 2 cores). For each rate, `--requests` requests drawn from online_mixed.jsonl arrive
 with exponential gaps (seeded; the same arrivals and prompts for every topology; a disjoint slice
 of the workload per rate, so no rate reuses another's prefix cache). Per request: TTFT, its
 inter-token gaps, TPOT (mean gap) and whether it met both SLOs; goodput = requests/s meeting
-both. `--write` puts the section and plots into BENCHMARKS.md. Not a timed test.
+both. With `--repeats R` each rate runs R times on fresh requests and the report shows medians.
+`--write` puts the section and plots into BENCHMARKS.md. Not a timed test.
 """
 
 from __future__ import annotations
@@ -54,20 +55,27 @@ class Outcome:
             (self.tpot is None or self.tpot <= tpot_slo)
 
 
-def plan(rates: list[float], n: int, cap: int, seed: int) -> list[list[tuple[float, dict]]]:
-    """Per rate: (arrival time, workload row) pairs; disjoint rows per rate."""
+def plan(rates: list[float], n: int, cap: int, seed: int, repeats: int = 1
+         ) -> list[list[list[tuple[float, dict]]]]:
+    """Per rate, per repeat: (arrival time, workload row) pairs. Every (rate, repeat) run gets
+    its own rows, so no run reuses another's prefix-cached blocks."""
     rows = [json.loads(line) for line in WORKLOAD.open()]
     rng = random.Random(seed)
     rng.shuffle(rows)
-    if n * len(rates) > len(rows):
-        raise ValueError(f"{n} requests x {len(rates)} rates exceeds the {len(rows)} rows")
+    if n * len(rates) * repeats > len(rows):
+        raise ValueError(f"{n} requests x {len(rates)} rates x {repeats} repeats exceeds the "
+                         f"{len(rows)} rows")
     plans = []
     for i, rate in enumerate(rates):
-        t, arrivals = 0.0, []
-        for row in rows[i * n:(i + 1) * n]:
-            t += rng.expovariate(rate)
-            arrivals.append((t, dict(row, max_tokens=min(cap, int(row["max_tokens"])))))
-        plans.append(arrivals)
+        runs = []
+        for r in range(repeats):
+            k = i * repeats + r
+            t, arrivals = 0.0, []
+            for row in rows[k * n:(k + 1) * n]:
+                t += rng.expovariate(rate)
+                arrivals.append((t, dict(row, max_tokens=min(cap, int(row["max_tokens"])))))
+            runs.append(arrivals)
+        plans.append(runs)
     return plans
 
 
@@ -110,15 +118,17 @@ def run_rate(address: str, arrivals: list[tuple[float, dict]]) -> list[Outcome]:
 
 
 def run_topology(name: str, rates: list[float], plans: list, log_dir: Path
-                 ) -> dict[float, list[Outcome]]:
+                 ) -> dict[float, list[list[Outcome]]]:
     spec = ClusterSpec(port=0, kv_cache_gb=0.5, dtype="float32", **TOPOLOGIES[name])
     results = {}
     with LocalCluster(spec, log_dir / name) as cluster:
         warm = [(0.0, dict(prompt_token_ids=[1, 2, 3], max_tokens=4, ignore_eos=True))]
         run_rate(cluster.address, warm)
-        for rate, arrivals in zip(rates, plans):
-            results[rate] = run_rate(cluster.address, arrivals)
-            print(f"  {name} @ {rate} req/s: done", flush=True)
+        for rate, runs in zip(rates, plans):
+            results[rate] = []
+            for i, arrivals in enumerate(runs):
+                results[rate].append(run_rate(cluster.address, arrivals))
+                print(f"  {name} @ {rate} req/s: run {i + 1}/{len(runs)} done", flush=True)
     return results
 
 
@@ -133,18 +143,21 @@ def main() -> None:
     parser.add_argument("--max-tokens-cap", type=int, default=64)
     parser.add_argument("--ttft-slo-s", type=float, default=4.0)
     parser.add_argument("--tpot-slo-s", type=float, default=0.2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per rate (each with its own requests); medians reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plots")
     parser.add_argument("--json", type=Path, default=None, help="save every request's outcome")
     args = parser.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
-    plans = plan(rates, args.requests, args.max_tokens_cap, args.seed)
+    plans = plan(rates, args.requests, args.max_tokens_cap, args.seed, args.repeats)
     log_dir = Path(tempfile.mkdtemp(prefix="poisson-"))
     results = {name: run_topology(name, rates, plans, log_dir)
                for name in args.topologies.split(",")}
     if args.json is not None:
         args.json.write_text(json.dumps(
-            {name: {str(rate): [asdict(o) for o in outs] for rate, outs in by_rate.items()}
+            {name: {str(rate): [[asdict(o) for o in run] for run in runs]
+                    for rate, runs in by_rate.items()}
              for name, by_rate in results.items()}, indent=1))
     report(results, args, write=args.write)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from benchmarks.poisson import Outcome
@@ -30,6 +31,22 @@ def summary(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict:
             "tok_s": sum(o.tokens for o in done) / span, "goodput": met / span,
             "attainment": met / len(outcomes), "errors": len(outcomes) - len(done),
             "ttft_all": ttft}
+
+
+def combined(runs: list[list[Outcome]], ttft_slo: float, tpot_slo: float) -> dict:
+    """Medians over repeated runs of each run's summary (errors summed, TTFTs pooled)."""
+    parts = [summary(run, ttft_slo, tpot_slo) for run in runs]
+
+    def med(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    return {"ttft": [med([p["ttft"][i] for p in parts]) for i in range(3)],
+            "itl": [med([p["itl"][i] for p in parts]) for i in range(3)],
+            **{key: med([p[key] for p in parts])
+               for key in ("tok_s", "goodput", "attainment")},
+            "errors": sum(p["errors"] for p in parts),
+            "ttft_all": [t for p in parts for t in p["ttft_all"]]}
 
 
 def _ms(values: list[float | None]) -> str:
@@ -96,14 +113,16 @@ def plot(stats: dict[str, dict[float, dict]], path: Path) -> None:
     fig.savefig(path, dpi=90)
 
 
-def report(results: dict[str, dict[float, list[Outcome]]], args: argparse.Namespace,
+def report(results: dict[str, dict[float, list[list[Outcome]]]], args: argparse.Namespace,
            write: bool) -> None:
-    stats = {name: {rate: summary(out, args.ttft_slo_s, args.tpot_slo_s)
-                    for rate, out in by_rate.items()} for name, by_rate in results.items()}
+    stats = {name: {rate: combined(runs, args.ttft_slo_s, args.tpot_slo_s)
+                    for rate, runs in by_rate.items()} for name, by_rate in results.items()}
     header = [f"`python -m benchmarks.poisson --rates {args.rates} --requests {args.requests} "
+              f"--repeats {args.repeats} "
               f"--max-tokens-cap {args.max_tokens_cap} --ttft-slo-s {args.ttft_slo_s:g} "
               f"--tpot-slo-s {args.tpot_slo_s:g}`: open-loop Poisson arrivals over "
-              "online_mixed.jsonl (greedy, fp32, 1 torch thread per worker, 2 cores).", ""]
+              "online_mixed.jsonl (greedy, fp32, 1 torch thread per worker, 2 cores); "
+              f"medians of {args.repeats} run(s) per rate, each on its own requests.", ""]
     body = header + tables(stats, args)
     print("\n".join(body))
     if not write:
