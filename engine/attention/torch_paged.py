@@ -5,14 +5,15 @@ in place through the block table; without it, they are attended in one batched S
 gathered through the block table (`index_select` on rows of the flattened cache) with an additive
 key-length mask. Prefill and chunked-prefill sequences are attended one by one: a prompt computed
 whole in this step attends its own fresh K/V with `is_causal` (no gather at all); a chunk after a
-cached prefix gathers its blocks and uses a bottom-right causal mask. The plan (which rows are
-decodes, masks, gather indices) depends only on the step, so `TorchPagedAttention.prepare` builds
-it once per step for every layer.
+cached prefix gathers its blocks and uses a bottom-right causal mask (on CPU: in query tiles,
+see `_attend_prefill_tiled`). The plan (which rows are decodes, masks, gather indices) depends
+only on the step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from types import ModuleType
 
 import torch
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.cpu_kernel import load_cpu_kernel
+
+PREFILL_TILE = 128  # query rows per score tile on CPU (64-256 measured within 10%)
 
 
 @dataclass
@@ -109,6 +112,9 @@ def run_planned_attention(
         else:
             k = _gather(k_cache, p.blocks)[: p.seq_len].transpose(0, 1)
             v = _gather(v_cache, p.blocks)[: p.seq_len].transpose(0, 1)
+        if q.device.type == "cpu":
+            _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end])
+            continue
         if lq == p.seq_len:
             o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -118,6 +124,42 @@ def run_planned_attention(
                                                enable_gqa=True)
         out[p.q_start:p.q_end] = o.transpose(0, 1)
     return out
+
+
+@lru_cache(maxsize=16)
+def _diagonal_mask(group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[PREFILL_TILE * group, PREFILL_TILE], 0 / -inf: the causal triangle of a tile's own keys,
+    row r * group + j for query r (a tile's queries interleave the heads of a K/V group)."""
+    hidden = torch.ones(PREFILL_TILE, PREFILL_TILE, dtype=torch.bool, device=device).triu_(1)
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden,
+                                                                               float("-inf"))
+    return mask.repeat_interleave(group, dim=0)
+
+
+def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          out: torch.Tensor) -> None:
+    """Bottom-right causal attention for one sequence's queries ([lq, H, D]; k, v: [n_kv, L, D]),
+    PREFILL_TILE query rows at a time, each tile against only the keys it can see, the query
+    heads that share a K/V head in one matmul, the mask added to the tile's own keys only (the
+    keys before them are all visible). On CPU, SDPA's whole [H, lq, L] score tensor is a fresh
+    mmap in every layer, paid in page faults, and it computes the masked half: with tiles, the
+    attention share of a 1.8k-token prefill fell from 1.4x to 0.55x the linear layers' time and
+    long-document prefill got 1.26x faster end to end (medians of 3, 1 thread)."""
+    lq, heads, head_dim = q.shape
+    n_kv, seq_len = k.shape[0], k.shape[1]
+    group, offset = heads // n_kv, seq_len - lq
+    diagonal = _diagonal_mask(group, q.dtype, q.device)
+    k, v = k.contiguous(), v.contiguous()
+    grouped = (q * scale).reshape(lq, n_kv, group, head_dim)
+    for a in range(0, lq, PREFILL_TILE):
+        b = min(lq, a + PREFILL_TILE)
+        rows, keys = b - a, offset + b
+        q_tile = grouped[a:b].permute(1, 0, 2, 3).reshape(n_kv, rows * group, head_dim)
+        scores = torch.bmm(q_tile, k[:, :keys].transpose(1, 2))
+        scores[:, :, offset + a:keys] += diagonal[:rows * group, :rows]
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
+        o = torch.bmm(probs, v[:, :keys]).view(n_kv, rows, group, head_dim)
+        out[a:b] = o.permute(1, 0, 2, 3).reshape(rows, heads, head_dim)
 
 
 def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,

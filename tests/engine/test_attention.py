@@ -37,6 +37,8 @@ CASES = {
     "mixed": ([1, 1, 33, 1, 7], [64, 3, 33, 17, 40]),
     "decodes_not_first": ([9, 1, 1], [9, 30, 2]),
     "single_token_prompt": ([1], [1]),
+    # over one CPU prefill tile (128 query rows): whole tiles, a partial last tile, a prefix
+    "long_prefill_and_chunk": ([300, 200, 1], [300, 457, 90]),
 }
 
 
