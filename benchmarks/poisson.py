@@ -40,6 +40,8 @@ WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "online_mi
 @dataclass
 class Outcome:
     arrival: float  # seconds after the run's start
+    kind: str = ""  # the workload row's kind: chat or long
+    prompt_tokens: int = 0
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
     end: float | None = None
@@ -102,7 +104,8 @@ def _one(stub: pb_grpc.GenerationStub, row: dict, start: float, out: Outcome) ->
 
 def run_rate(address: str, arrivals: list[tuple[float, dict]]) -> list[Outcome]:
     """Open loop: each request starts at its arrival time whatever the others are doing."""
-    outcomes = [Outcome(t) for t, _ in arrivals]
+    outcomes = [Outcome(t, row.get("kind", ""), len(row["prompt_token_ids"]))
+                for t, row in arrivals]
     threads = []
     with channel(address) as ch:
         stub = pb_grpc.GenerationStub(ch)
