@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.poisson [--topologies 1p1d,colocated2]
         [--rates 0.15,0.3,0.6,1.2] [--requests 16] [--max-tokens-cap 64]
         [--ttft-slo-s 4] [--tpot-slo-s 0.2] [--repeats 1] [--json PATH] [--write]
+    .venv/bin/python -m benchmarks.poisson --from-json PATH [--write] [SLO and run options]
 
 Each topology gets its own cluster (1 torch thread per worker: 1P+1D = 2 cores, 2 colocated
 workers = 2 cores). For each rate, `--requests` requests drawn from online_mixed.jsonl arrive
@@ -135,6 +136,13 @@ def run_topology(name: str, rates: list[float], plans: list, log_dir: Path
     return results
 
 
+def load_results(path: Path) -> dict[str, dict[float, list[list[Outcome]]]]:
+    saved = json.loads(path.read_text())
+    return {name: {float(rate): [[Outcome(**o) for o in run] for run in runs]
+                   for rate, runs in by_rate.items()}
+            for name, by_rate in saved.items()}
+
+
 def main() -> None:
     from benchmarks.poisson_report import report
 
@@ -151,7 +159,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plots")
     parser.add_argument("--json", type=Path, default=None, help="save every request's outcome")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="report a saved run (--json) again instead of measuring")
     args = parser.parse_args()
+    if args.from_json is not None:
+        report(load_results(args.from_json), args, write=args.write)
+        return
     rates = [float(r) for r in args.rates.split(",")]
     plans = plan(rates, args.requests, args.max_tokens_cap, args.seed, args.repeats)
     log_dir = Path(tempfile.mkdtemp(prefix="poisson-"))

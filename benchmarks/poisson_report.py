@@ -87,6 +87,25 @@ def tables(stats: dict[str, dict[float, dict]], args: argparse.Namespace) -> lis
     return lines
 
 
+def by_kind(results: dict[str, dict[float, list[list[Outcome]]]]) -> list[str]:
+    """TTFT p50 / p90 per request kind, pooled over the repeats: where the queueing lands."""
+    kinds = sorted({o.kind for by_rate in results.values() for runs in by_rate.values()
+                    for run in runs for o in run if o.kind})
+    if not kinds:
+        return []
+    lines = ["", "| topology | rate req/s | " + " | ".join(
+        f"{kind} TTFT p50 / p90 ms (n)" for kind in kinds) + " |",
+        "|---|---|" + "---|" * len(kinds)]
+    for name, by_rate in results.items():
+        for rate, runs in by_rate.items():
+            cells = []
+            for kind in kinds:
+                ttft = [o.ttft for run in runs for o in run if o.kind == kind and o.ttft]
+                cells.append(f"{_ms([pct(ttft, 0.5), pct(ttft, 0.9)])} ({len(ttft)})")
+            lines.append(f"| {name} | {rate:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(stats: dict[str, dict[float, dict]], path: Path) -> None:
     import matplotlib
 
@@ -123,7 +142,7 @@ def report(results: dict[str, dict[float, list[list[Outcome]]]], args: argparse.
               f"--tpot-slo-s {args.tpot_slo_s:g}`: open-loop Poisson arrivals over "
               "online_mixed.jsonl (greedy, fp32, 1 torch thread per worker, 2 cores); "
               f"medians of {args.repeats} run(s) per rate, each on its own requests.", ""]
-    body = header + tables(stats, args)
+    body = header + tables(stats, args) + by_kind(results)
     print("\n".join(body))
     if not write:
         return
