@@ -53,9 +53,12 @@ class Outcome:
     def tpot(self) -> float | None:
         return sum(self.gaps) / len(self.gaps) if self.gaps else None
 
-    def met(self, ttft_slo: float, tpot_slo: float) -> bool:
+    def met(self, ttft_slo: float, tpot_slo: float, max_gap: float | None = None) -> bool:
+        """Both SLOs met (TTFT, and TPOT = the mean gap); with `max_gap`, also no single gap
+        (a stall the user sees) longer than that."""
         return self.error is None and self.ttft is not None and self.ttft <= ttft_slo and \
-            (self.tpot is None or self.tpot <= tpot_slo)
+            (self.tpot is None or self.tpot <= tpot_slo) and \
+            (max_gap is None or not self.gaps or max(self.gaps) <= max_gap)
 
 
 def plan(rates: list[float], n: int, cap: int, seed: int, repeats: int = 1
@@ -154,6 +157,8 @@ def main() -> None:
     parser.add_argument("--max-tokens-cap", type=int, default=64)
     parser.add_argument("--ttft-slo-s", type=float, default=4.0)
     parser.add_argument("--tpot-slo-s", type=float, default=0.2)
+    parser.add_argument("--max-gap-slo-s", type=float, default=None,
+                        help="also count a request as met only when no gap exceeds this")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per rate (each with its own requests); medians reported")
     parser.add_argument("--seed", type=int, default=0)

@@ -20,12 +20,13 @@ def pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summary(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict:
+def summary(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float,
+            max_gap: float | None = None) -> dict:
     done = [o for o in outcomes if o.error is None and o.end is not None]
     span = max((o.end for o in done), default=0.0) or 1.0
     ttft = [o.ttft for o in done if o.ttft is not None]
     gaps = [g for o in done for g in o.gaps]
-    met = sum(o.met(ttft_slo, tpot_slo) for o in outcomes)
+    met = sum(o.met(ttft_slo, tpot_slo, max_gap) for o in outcomes)
     return {"ttft": [pct(ttft, q) for q in (0.5, 0.9, 0.99)],
             "itl": [pct(gaps, q) for q in (0.5, 0.9, 0.99)],
             "tok_s": sum(o.tokens for o in done) / span, "goodput": met / span,
@@ -33,9 +34,10 @@ def summary(outcomes: list[Outcome], ttft_slo: float, tpot_slo: float) -> dict:
             "ttft_all": ttft}
 
 
-def combined(runs: list[list[Outcome]], ttft_slo: float, tpot_slo: float) -> dict:
+def combined(runs: list[list[Outcome]], ttft_slo: float, tpot_slo: float,
+             max_gap: float | None = None) -> dict:
     """Medians over repeated runs of each run's summary (errors summed, TTFTs pooled)."""
-    parts = [summary(run, ttft_slo, tpot_slo) for run in runs]
+    parts = [summary(run, ttft_slo, tpot_slo, max_gap) for run in runs]
 
     def med(values: list[float | None]) -> float | None:
         present = [v for v in values if v is not None]
@@ -83,7 +85,8 @@ def tables(stats: dict[str, dict[float, dict]], args: argparse.Namespace) -> lis
         ok = [r for r, s in by_rate.items() if s["attainment"] >= ATTAINMENT]
         last = f"up to {max(ok):g} req/s" if ok else "at none of the rates measured"
         lines.append(f"- {name} meets the SLO (≥{ATTAINMENT:.0%} of requests with TTFT ≤ "
-                     f"{args.ttft_slo_s:g} s and TPOT ≤ {args.tpot_slo_s * 1000:.0f} ms) {last}.")
+                     f"{args.ttft_slo_s:g} s and TPOT ≤ {args.tpot_slo_s * 1000:.0f} ms"
+                     f"{_gap_clause(args)}) {last}.")
     return lines
 
 
@@ -104,6 +107,11 @@ def by_kind(results: dict[str, dict[float, list[list[Outcome]]]]) -> list[str]:
                 cells.append(f"{_ms([pct(ttft, 0.5), pct(ttft, 0.9)])} ({len(ttft)})")
             lines.append(f"| {name} | {rate:g} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _gap_clause(args: argparse.Namespace) -> str:
+    gap = getattr(args, "max_gap_slo_s", None)
+    return "" if gap is None else f" and no gap > {gap * 1000:.0f} ms"
 
 
 def plot(stats: dict[str, dict[float, dict]], path: Path) -> None:
@@ -134,12 +142,14 @@ def plot(stats: dict[str, dict[float, dict]], path: Path) -> None:
 
 def report(results: dict[str, dict[float, list[list[Outcome]]]], args: argparse.Namespace,
            write: bool) -> None:
-    stats = {name: {rate: combined(runs, args.ttft_slo_s, args.tpot_slo_s)
+    stats = {name: {rate: combined(runs, args.ttft_slo_s, args.tpot_slo_s, args.max_gap_slo_s)
                     for rate, runs in by_rate.items()} for name, by_rate in results.items()}
     header = [f"`python -m benchmarks.poisson --rates {args.rates} --requests {args.requests} "
               f"--repeats {args.repeats} "
               f"--max-tokens-cap {args.max_tokens_cap} --ttft-slo-s {args.ttft_slo_s:g} "
-              f"--tpot-slo-s {args.tpot_slo_s:g}`: open-loop Poisson arrivals over "
+              f"--tpot-slo-s {args.tpot_slo_s:g}"
+              + (f" --max-gap-slo-s {args.max_gap_slo_s:g}" if args.max_gap_slo_s else "")
+              + "`: open-loop Poisson arrivals over "
               "online_mixed.jsonl (greedy, fp32, 1 torch thread per worker, 2 cores); "
               f"medians of {args.repeats} run(s) per rate, each on its own requests.", ""]
     body = header + tables(stats, args) + by_kind(results)

@@ -33,3 +33,11 @@ def test_repeated_runs_report_medians():
     middle = [Outcome(0.0, ttft=2.0, gaps=[0.1], end=4.0, tokens=2)]
     s = combined([fast, slow, middle], ttft_slo=2.5, tpot_slo=0.2)
     assert s["ttft"][0] == 2.0 and s["attainment"] == 1.0 and len(s["ttft_all"]) == 3
+
+
+def test_a_stall_fails_the_max_gap_slo_but_not_the_tpot_one():
+    stalled = Outcome(0.0, ttft=1.0, gaps=[0.05] * 9 + [0.9], end=3.0, tokens=11)  # TPOT 0.135
+    smooth = Outcome(0.0, ttft=1.0, gaps=[0.15] * 10, end=3.0, tokens=11)
+    assert stalled.met(2.0, 0.2) and smooth.met(2.0, 0.2)
+    assert not stalled.met(2.0, 0.2, max_gap=0.5) and smooth.met(2.0, 0.2, max_gap=0.5)
+    assert summary([stalled, smooth], 2.0, 0.2, max_gap=0.5)["attainment"] == 0.5
