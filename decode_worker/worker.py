@@ -55,7 +55,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         self.loop = EngineLoop(engine, DecodePolicy(self.table), observer=self.metrics)
-        self.receiver = KVReceiver(options.worker_id, options.host, torch.device("cpu"),
+        self.receiver = KVReceiver(options.worker_id, options.host, torch.device(options.device),
                                    options.transfer_timeout_s)
         self.transfer_address = f"{options.public_host}:{self.receiver.port}"
 

@@ -86,6 +86,7 @@ class KVSender:
         self.registry = PairRegistry(SENDER_RANK, device, host, timeout_s,
                                      first_generation=secrets.randbelow(2**31))
         self._stores: dict[str, dist.TCPStore] = {}
+        self._receiver_stores: dict[str, str] = {}  # receiver id -> its store's address
         self._locks: dict[str, threading.Lock] = {}
         self._tags = itertools.count(1)
         self._lock = threading.Lock()
@@ -97,6 +98,7 @@ class KVSender:
         `KVReceiver.receive` (it is called before anything is sent)."""
         key = pair_key(self.worker_id, receiver_id)
         with self._pair_lock(key):
+            self._forget_if_moved(key, receiver_id, store_address)
             generation = self.registry.current_generation(key)
             tag = next(self._tags)
             try:
@@ -110,6 +112,17 @@ class KVSender:
                 with self._lock:
                     self._stores.pop(store_address, None)
                 raise TransferError(f"sending KV to {receiver_id}: {exc}") from exc
+
+    def _forget_if_moved(self, key: str, receiver_id: str, store_address: str) -> None:
+        """A receiver that comes back under the same id (a restarted actor) hosts its store at a
+        new address: the pair with its previous process is dead, so drop it before sending."""
+        with self._lock:
+            previous = self._receiver_stores.get(receiver_id)
+            self._receiver_stores[receiver_id] = store_address
+            if previous is None or previous == store_address:
+                return
+            self._stores.pop(previous, None)
+        self.registry.tear_down(key)
 
     def _await_ready(self, store: dist.TCPStore, key: str, generation: int, tag: int) -> None:
         ready = _ready_key(key, generation, tag)

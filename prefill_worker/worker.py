@@ -53,7 +53,7 @@ class PrefillWorker:
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         self.loop = EngineLoop(engine, observer=self.metrics)
-        self.sender = KVSender(options.worker_id, options.host, torch.device("cpu"),
+        self.sender = KVSender(options.worker_id, options.host, torch.device(options.device),
                                options.transfer_timeout_s)
         self.start_receive = start_receive
         self.shipping: dict[str, Request] = {}

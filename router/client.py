@@ -1,4 +1,5 @@
-"""`python -m router client`: stream a generation from a running cluster to stdout."""
+"""`python -m router client`: stream a generation from a running cluster to stdout; the
+cluster's status."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def build_request(prompt: str | None, chat: str | None, max_tokens: int, tempera
         return pb.GenerateRequest(chat=pb.ChatMessages(messages=[
             pb.ChatMessage(role="user", content=chat)]), sampling=sampling)
     return pb.GenerateRequest(prompt=prompt or "", sampling=sampling)
+
+
+def cluster_status(address: str, timeout_s: float = 5.0) -> pb.ClusterStatus:
+    """The router's view: every registered worker, its health and load."""
+    with channel(address) as ch:
+        return pb_grpc.GenerationStub(ch).GetClusterStatus(pb.ClusterStatusRequest(),
+                                                           timeout=timeout_s)
 
 
 def stream(address: str, request: pb.GenerateRequest, timeout_s: float) -> int:

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel, wait_healthy
+from router.client import cluster_status
+from serving.grpc_server import wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,9 +119,7 @@ class LocalCluster:
                                                 env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def status(self, timeout_s: float = 5.0) -> pb.ClusterStatus:
-        with channel(self.address) as ch:
-            return pb_grpc.GenerationStub(ch).GetClusterStatus(pb.ClusterStatusRequest(),
-                                                               timeout=timeout_s)
+        return cluster_status(self.address, timeout_s)
 
     def wait_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -93,9 +93,17 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint (port 0 picks a free one); return its port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.http_port = server.server_port
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.http_port = self._http.server_port
         return self.http_port
+
+    def close(self) -> None:
+        """Stop the /metrics endpoint and free its port."""
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+            self._http = None
 
     def observe_output(self, output: RequestOutput) -> None:
         """Called on the loop thread for every output delivered to a request."""

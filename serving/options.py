@@ -17,6 +17,7 @@ class WorkerOptions:
     advertise_host: str | None = None  # address others use to reach it (default: host)
     model: str = "default"
     dtype: str | None = None
+    device: str = "cpu"  # "cpu" or "cuda[:N]"; the KV transfer backend follows it (gloo/NCCL)
     kv_cache_gb: float | None = None
     max_num_batched_tokens: int | None = None
     threads: int = 1  # torch threads: workers share the machine's cores
@@ -40,6 +41,8 @@ class WorkerOptions:
         if self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got "
                              f"{self.max_queued_requests}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "grace_s"):
@@ -66,6 +69,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--advertise-host", default=None)
     parser.add_argument("--model", default="default", help="'default' or a local HF directory")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
@@ -82,7 +86,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
         role = "colocated"
     return WorkerOptions(
         role=role, router=args.router, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
+        advertise_host=args.advertise_host, model=args.model, dtype=args.dtype, device=args.device,
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,

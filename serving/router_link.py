@@ -66,7 +66,8 @@ class RouterLink:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join(RPC_TIMEOUT_S + 1.0)
+        if self._thread.is_alive():  # never started when the registration failed
+            self._thread.join(RPC_TIMEOUT_S + 1.0)
         self._channel.close()
 
     def drain(self) -> None:

@@ -74,7 +74,7 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
     scheduler = (SchedulerConfig(max_num_batched_tokens=options.max_num_batched_tokens)
                  if options.max_num_batched_tokens else SchedulerConfig())
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
-                                  scheduler=scheduler))
+                                  scheduler=scheduler, device=options.device))
 
 
 def registration(options: WorkerOptions, role: WorkerRole, address: str,
@@ -87,33 +87,62 @@ def registration(options: WorkerOptions, role: WorkerRole, address: str,
         load=load_to_proto(role.loop.load), metrics_address=metrics_address)
 
 
+class ServingWorker:
+    """A started worker: step loop, gRPC server, /metrics and router link, registered. The CLI
+    runs it until a signal; a Ray actor (deploy/) runs the same object in its process."""
+
+    def __init__(self, options: WorkerOptions, role: WorkerRole, model_name: str):
+        self.options, self.role = options, role
+        self.server: Server | None = None
+        self.link: RouterLink | None = None
+        try:
+            role.loop.start()
+            self.server = start_server(options.host, options.port, [role.add_to_server],
+                                       role.service_names)
+            self.address = f"{options.public_host}:{self.server.port}"
+            metrics_port = role.metrics.serve(options.host, options.metrics_port)
+            self.metrics_address = f"{options.public_host}:{metrics_port}"
+            self.link = RouterLink(options.router, registration(
+                options, role, self.address, self.metrics_address, model_name),
+                lambda: role.loop.load)
+            self.link.register(options.connect_timeout_s)
+        except BaseException:  # nothing started is left running
+            self.close()
+            raise
+        self.link.start()
+
+    def run_until(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set, then drain."""
+        _wait_for_signal(stop)
+        self.drain()
+
+    def drain(self) -> None:
+        assert self.server is not None and self.link is not None
+        drain(self.role, self.server, self.link, self.options.grace_s)
+
+    def close(self) -> None:
+        log.info("worker %s stopping", self.options.worker_id)
+        if self.link is not None:
+            self.link.stop()
+        if self.server is not None:
+            self.server.stop(1.0)
+        self.role.metrics.close()
+        self.role.loop.stop()
+        self.role.close()
+
+
 def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
           stop: threading.Event | None = None) -> int:
     """Run until SIGINT/SIGTERM (or `stop` is set), drain, and return the exit code."""
     stop = stop or threading.Event()
-    role.loop.start()
-    server: Server = start_server(options.host, options.port, [role.add_to_server],
-                                  role.service_names)
-    address = f"{options.public_host}:{server.port}"
-    metrics_port = role.metrics.serve(options.host, options.metrics_port)
-    metrics_address = f"{options.public_host}:{metrics_port}"
-    link = RouterLink(options.router,
-                      registration(options, role, address, metrics_address, model_name),
-                      lambda: role.loop.load)
     _install_signal_handlers(stop)
+    worker = ServingWorker(options, role, model_name)
     try:
-        link.register(options.connect_timeout_s)
-        link.start()
-        print(f"{options.role} worker {options.worker_id} serving on {address} "
-              f"(metrics: http://{metrics_address}/metrics)", flush=True)
-        _wait_for_signal(stop)
-        drain(role, server, link, options.grace_s)
+        print(f"{options.role} worker {options.worker_id} serving on {worker.address} "
+              f"(metrics: http://{worker.metrics_address}/metrics)", flush=True)
+        worker.run_until(stop)
     finally:
-        log.info("worker %s stopping", options.worker_id)
-        link.stop()
-        server.stop(1.0)
-        role.loop.stop()
-        role.close()
+        worker.close()
     return 0
 
 
