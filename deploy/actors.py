@@ -1,0 +1,85 @@
+"""The Ray actors: each hosts one process of the cluster — the router or a worker — built from the
+same code the local launcher runs (router.server.Router, serving.worker_main.ServingWorker).
+
+An actor that dies (its process killed, its node gone) is restarted by Ray up to max_restarts;
+its constructor runs again, so a worker loads its engine and registers with the router again,
+and a router binds its fixed port again and rebuilds its registry from the workers' heartbeats
+(a worker the new router does not know registers again on its next beat)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+
+from deploy.config import NODE_IP
+
+
+def _host(setting: str) -> str:
+    return ray.util.get_node_ip_address() if setting == NODE_IP else setting
+
+
+def _placement() -> dict[str, Any]:
+    context = ray.get_runtime_context()
+    return {"node_id": context.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(), "restarted": context.was_current_actor_reconstructed}
+
+
+class RouterActor:
+    def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int):
+        from router.server import Router, RouterOptions
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.router = Router(RouterOptions(host=_host(host), port=port, model=model,
+                                           max_running=max_running, max_queued=max_queued))
+        self.port = self.router.start()
+        self.address = f"{self.router.options.host}:{self.port}"
+
+    def info(self) -> dict[str, Any]:
+        return {"role": "router", "id": "router", "address": self.address,
+                "metrics_address": self.router.metrics_address, **_placement()}
+
+    def stop(self) -> bool:
+        """Drain (in-flight streams finish within the grace period), then stop serving."""
+        drained = self.router.drain()
+        self.router.stop(1.0)
+        return drained
+
+
+class WorkerActor:
+    def __init__(self, role: str, worker_id: str, router_address: str, host: str,
+                 engine: dict[str, Any], grace_s: float, connect_timeout_s: float):
+        from decode_worker.role import decode_role
+        from prefill_worker.role import prefill_role
+        from serving.options import WorkerOptions
+        from serving.worker_main import ServingWorker, build_engine
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        # A restarted worker may find the router restarting too: wait for it as long as a
+        # deployment may take to come up (a constructor that fails is not restarted again).
+        options = WorkerOptions(role=role, router=router_address, host=_host(host),
+                                worker_id=worker_id, grace_s=grace_s,
+                                connect_timeout_s=connect_timeout_s, **engine)
+        llm_engine = build_engine(options)
+        make_role = prefill_role if role == "prefill" else decode_role
+        self.worker = ServingWorker(options, make_role(llm_engine, options),
+                                    llm_engine.model_path.name)
+        self.role, self.worker_id = role, worker_id
+        self._stopped = threading.Event()
+
+    def info(self) -> dict[str, Any]:
+        return {"role": self.role, "id": self.worker_id, "address": self.worker.address,
+                "metrics_address": self.worker.metrics_address, **_placement()}
+
+    def stop(self) -> bool:
+        """Drain (accepted requests finish within the grace period), then stop serving."""
+        if self._stopped.is_set():
+            return True
+        self._stopped.set()
+        self.worker.drain()
+        left = self.worker.role.in_flight()
+        self.worker.close()
+        return left == 0

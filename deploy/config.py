@@ -1,0 +1,222 @@
+"""The deployment config (YAML), parsed once into frozen dataclasses and validated before anything
+starts. No ray here: the schema is checked (and tested) without a cluster.
+
+Schema (every key optional except where noted; unknown keys are errors):
+
+    name: pdserve              # actor and placement-group names derive from it
+    ray:
+      address: auto            # what ray.init connects to ("auto": the running cluster)
+      namespace: pdserve
+    model:
+      path: default            # "default" or a local HF model directory present on every node
+      dtype: null              # float32 | bfloat16 | float16 (null: the device's default)
+      kv_cache_gb: null        # per worker (null: the engine's default)
+      max_num_batched_tokens: null
+    router:
+      host: 127.0.0.1          # an interface, or "node-ip" for the node's address
+      port: 50051              # fixed: a restarted router must keep its address
+      max_running: 256
+      max_queued: 1024
+      max_restarts: -1         # -1: restart forever
+      num_cpus: 1
+    prefill: {replicas: 1}
+    decode: {replicas: 1}
+    workers:
+      device: cpu              # cpu: each worker asks for num_cpus; cuda: num_gpus=1
+      num_cpus: 1              # Ray CPUs per worker (also its torch threads on CPU)
+      host: 127.0.0.1          # or "node-ip" (needed when workers span nodes)
+      max_restarts: 3
+      grace_s: 30
+    placement:
+      strategy: PACK           # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one bundle per worker)
+      timeout_s: 120           # waiting for the placement group and for workers to register
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DTYPES = ("float32", "bfloat16", "float16")
+NODE_IP = "node-ip"  # a host setting meaning "the address of the node the actor runs on"
+MAX_REPLICAS = 64
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot be deployed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RaySection:
+    address: str = "auto"
+    namespace: str = "pdserve"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "default"
+    dtype: str | None = None
+    kv_cache_gb: float | None = None
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got "
+                              f"{self.dtype!r}")
+        if self.kv_cache_gb is not None and not 0 < self.kv_cache_gb <= 1024:
+            raise ConfigError(f"model.kv_cache_gb must be in (0, 1024], got {self.kv_cache_gb}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError("model.max_num_batched_tokens must be >= 1, got "
+                              f"{self.max_num_batched_tokens}")
+        if self.path != "default" and not (Path(self.path).expanduser() / "config.json").is_file():
+            raise ConfigError(f"model.path {self.path!r} is not a local model directory "
+                              "(no config.json); it must exist on every node")
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_running: int = 256
+    max_queued: int = 1024
+    max_restarts: int = -1
+    num_cpus: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"router.port must be in [1, 65535] (a fixed port: a restarted "
+                              f"router keeps its address), got {self.port}")
+        if self.max_running < 1 or self.max_queued < 0:
+            raise ConfigError(f"router.max_running must be >= 1 and router.max_queued >= 0, "
+                              f"got {self.max_running} and {self.max_queued}")
+        _check_restarts("router.max_restarts", self.max_restarts)
+        if self.num_cpus < 0:
+            raise ConfigError(f"router.num_cpus must be >= 0, got {self.num_cpus}")
+
+
+@dataclass(frozen=True)
+class ReplicasSection:
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class WorkersSection:
+    device: str = "cpu"
+    num_cpus: int = 1
+    host: str = "127.0.0.1"
+    max_restarts: int = 3
+    grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"workers.device must be cpu or cuda, got {self.device!r}")
+        if not 1 <= self.num_cpus <= 256:
+            raise ConfigError(f"workers.num_cpus must be in [1, 256], got {self.num_cpus}")
+        _check_restarts("workers.max_restarts", self.max_restarts)
+        if not self.grace_s > 0:
+            raise ConfigError(f"workers.grace_s must be > 0, got {self.grace_s}")
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One worker's placement-group bundle: its CPUs, plus one GPU on CUDA."""
+        return {"CPU": self.num_cpus, **({"GPU": 1} if self.device == "cuda" else {})}
+
+
+@dataclass(frozen=True)
+class PlacementSection:
+    strategy: str = "PACK"
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"placement.strategy must be one of {', '.join(STRATEGIES)}, got "
+                              f"{self.strategy!r}")
+        if not 0 < self.timeout_s <= 3600:
+            raise ConfigError(f"placement.timeout_s must be in (0, 3600], got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    name: str = "pdserve"
+    ray: RaySection = field(default_factory=RaySection)
+    model: ModelSection = field(default_factory=ModelSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    prefill: ReplicasSection = field(default_factory=ReplicasSection)
+    decode: ReplicasSection = field(default_factory=ReplicasSection)
+    workers: WorkersSection = field(default_factory=WorkersSection)
+    placement: PlacementSection = field(default_factory=PlacementSection)
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"name must be letters, digits, '-' or '_', got {self.name!r}")
+        for role in ("prefill", "decode"):
+            replicas = getattr(self, role).replicas
+            if not 1 <= replicas <= MAX_REPLICAS:
+                raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
+                                  f"{replicas}")
+
+    @property
+    def worker_names(self) -> list[tuple[str, str]]:
+        """(role, worker id) for every worker, e.g. ("decode", "decode-1")."""
+        return [(role, f"{role}-{i}") for role in ("prefill", "decode")
+                for i in range(getattr(self, role).replicas)]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> DeployConfig:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read deployment config {path}: {exc}") from exc
+        return cls.from_dict(data or {})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeployConfig:
+        return _build(cls, data, "")
+
+
+def _check_restarts(key: str, value: int) -> None:
+    if value < -1:
+        raise ConfigError(f"{key} must be -1 (forever) or >= 0, got {value}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """A section dataclass from a mapping: unknown keys and wrongly typed values are errors that
+    name the key."""
+    where = prefix.rstrip(".") or "the config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]!s} (known in {where}: "
+                          f"{', '.join(known)})")
+    values = {}
+    for name, value in data.items():
+        kind = known[name].type
+        section = _SECTIONS.get(kind)
+        values[name] = (_build(section, value, f"{prefix}{name}.") if section
+                        else _typed(f"{prefix}{name}", value, kind))
+    return cls(**values)
+
+
+def _typed(key: str, value: Any, kind: str) -> Any:
+    if value is None and "None" in kind:
+        return None
+    if "float" in kind and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if "int" in kind and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if "str" in kind and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key} must be {kind.replace(' | None', ' or null')}, got {value!r}")
+
+
+_SECTIONS: dict[str, type] = {
+    "RaySection": RaySection, "ModelSection": ModelSection, "RouterSection": RouterSection,
+    "ReplicasSection": ReplicasSection, "WorkersSection": WorkersSection,
+    "PlacementSection": PlacementSection,
+}

@@ -1,0 +1,237 @@
+"""Deploy, inspect and tear down a cluster on a running Ray cluster.
+
+Everything is a named, detached Ray object in the config's namespace, so `status` and `down` work
+from any later driver: the placement group `{name}-pg` (one bundle per worker, the configured
+strategy), the router actor `{name}-router` (pinned to the head node, fixed port), and one actor
+per worker, `{name}-prefill-0`, `{name}-decode-0`, ... each in its own bundle."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.actors import RouterActor, WorkerActor
+from deploy.config import ConfigError, DeployConfig
+
+log = logging.getLogger(__name__)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+CALL_TIMEOUT_S = 10.0
+
+
+class DeployError(RuntimeError):
+    """The deployment could not be started (nothing is left running) or inspected."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    router_address: str
+    actors: list[dict[str, Any]]  # each actor's info(): role, id, address, node, pid
+
+
+def connect(config: DeployConfig) -> None:
+    if not ray.is_initialized():
+        ray.init(address=config.ray.address, namespace=config.ray.namespace,
+                 log_to_driver=False)
+    namespace = ray.get_runtime_context().namespace
+    if namespace != config.ray.namespace:  # placement groups are found in the driver's only
+        raise DeployError(f"this driver is connected to Ray namespace {namespace!r}, the config "
+                          f"names {config.ray.namespace!r}")
+
+
+def check_fits(config: DeployConfig, nodes: list[dict[str, Any]]) -> None:
+    """Sizes the Ray cluster can never satisfy are errors before anything starts (a placement
+    group that cannot be placed would otherwise just wait)."""
+    alive = [n for n in nodes if n.get("Alive")]
+    bundles, bundle = len(config.worker_names), config.workers.bundle
+    for resource, per_worker in bundle.items():
+        have = sum(n["Resources"].get(resource, 0) for n in alive)
+        if have < per_worker * bundles:
+            raise ConfigError(f"{bundles} workers x {per_worker} {resource} = "
+                              f"{per_worker * bundles:g} {resource}, but the Ray cluster has "
+                              f"{have:g}")
+    if not any(all(n["Resources"].get(r, 0) >= v for r, v in bundle.items()) for n in alive):
+        raise ConfigError(f"no node of the Ray cluster can hold one worker ({bundle})")
+    head = next((n for n in alive if HEAD_RESOURCE in n["Resources"]), None)
+    if head is None or head["Resources"].get("CPU", 0) < config.router.num_cpus:
+        raise ConfigError(f"router.num_cpus is {config.router.num_cpus:g} but the head node, "
+                          f"where the router runs, has "
+                          f"{0 if head is None else head['Resources'].get('CPU', 0):g} CPUs")
+    if config.placement.strategy == "STRICT_SPREAD" and len(alive) < bundles:
+        raise ConfigError(f"placement.strategy STRICT_SPREAD puts each of the {bundles} workers "
+                          f"on its own node, but the Ray cluster has {len(alive)} nodes")
+
+
+def deploy(config: DeployConfig) -> Deployment:
+    """Start the router and the workers; wait until every worker has registered. On any failure
+    whatever was started is torn down before the error is raised."""
+    connect(config)
+    check_fits(config, ray.nodes())
+    if _existing(config):
+        raise DeployError(f"deployment {config.name!r} is already running in namespace "
+                          f"{config.ray.namespace!r}: tear it down first")
+    try:
+        group = _placement_group(config)
+        router = _start_router(config)
+        info = ray.get(router.info.remote(), timeout=config.placement.timeout_s)
+        workers = [_start_worker(config, group, i, role, worker_id, info["address"])
+                   for i, (role, worker_id) in enumerate(config.worker_names)]
+        infos = ray.get([w.info.remote() for w in workers], timeout=config.placement.timeout_s)
+        _wait_registered(info["address"], len(workers), config.placement.timeout_s)
+    except BaseException as exc:
+        try:
+            teardown(config)
+        except Exception as cleanup:  # the start error is the one to raise; log this one
+            log.warning("tearing down deployment %r after a failed start failed too: %s",
+                        config.name, cleanup)
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise DeployError(f"deployment {config.name!r} did not start within "
+                              f"{config.placement.timeout_s:g}s; torn down") from exc
+        if isinstance(exc, ray.exceptions.RayError):
+            raise DeployError(f"deployment {config.name!r} failed to start ({exc}); torn "
+                              "down") from exc
+        raise
+    return Deployment(config.name, info["address"], [info, *infos])
+
+
+def _placement_group(config: DeployConfig) -> Any:
+    bundles = [config.workers.bundle for _ in config.worker_names]
+    group = placement_group(bundles, strategy=config.placement.strategy,
+                            name=f"{config.name}-pg", lifetime="detached")
+    try:
+        ray.get(group.ready(), timeout=config.placement.timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise DeployError(f"placement group {config.name}-pg ({len(bundles)} x "
+                          f"{config.workers.bundle}, {config.placement.strategy}) was not "
+                          f"placed within {config.placement.timeout_s:g}s") from exc
+    return group
+
+
+def _start_router(config: DeployConfig) -> Any:
+    section = config.router
+    return ray.remote(RouterActor).options(
+        name=f"{config.name}-router", namespace=config.ray.namespace, lifetime="detached",
+        max_restarts=section.max_restarts, max_concurrency=4, num_cpus=section.num_cpus,
+        resources={HEAD_RESOURCE: 0.001},
+    ).remote(section.host, section.port, config.model.path, section.max_running,
+             section.max_queued)
+
+
+def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,
+                  router_address: str) -> Any:
+    workers, model = config.workers, config.model
+    engine = {"model": model.path, "dtype": model.dtype, "kv_cache_gb": model.kv_cache_gb,
+              "max_num_batched_tokens": model.max_num_batched_tokens,
+              "device": workers.device, "threads": workers.num_cpus}
+    return ray.remote(WorkerActor).options(
+        name=f"{config.name}-{worker_id}", namespace=config.ray.namespace, lifetime="detached",
+        max_restarts=workers.max_restarts, max_concurrency=4, num_cpus=workers.num_cpus,
+        num_gpus=1 if workers.device == "cuda" else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=bundle),
+    ).remote(role, worker_id, router_address, workers.host, engine, workers.grace_s,
+             config.placement.timeout_s)
+
+
+def _wait_registered(router_address: str, count: int, timeout_s: float) -> None:
+    from router.client import cluster_status
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if sum(w.healthy for w in cluster_status(router_address).workers) >= count:
+                return
+        except Exception:  # the router not answering yet: keep waiting
+            pass
+        time.sleep(0.25)
+    raise DeployError(f"{count} workers did not register with {router_address} within "
+                      f"{timeout_s:g}s")
+
+
+def actor_names(config: DeployConfig) -> list[str]:
+    return [f"{config.name}-{worker_id}" for _, worker_id in config.worker_names] + \
+        [f"{config.name}-router"]
+
+
+def _existing(config: DeployConfig) -> list[str]:
+    return [name for name in actor_names(config) if _actor(config, name) is not None]
+
+
+def _actor(config: DeployConfig, name: str) -> Any:
+    try:
+        return ray.get_actor(name, namespace=config.ray.namespace)
+    except ValueError:
+        return None
+
+
+def teardown(config: DeployConfig, timeout_s: float | None = None) -> list[str]:
+    """Drain and stop every actor (workers first), kill them, remove the placement group; wait
+    until no actor of the deployment is left. Returns the names that were found."""
+    connect(config)
+    timeout_s = timeout_s or config.workers.grace_s + CALL_TIMEOUT_S
+    found = [(name, actor) for name in actor_names(config)
+             if (actor := _actor(config, name)) is not None]
+    workers = [actor for name, actor in found if not name.endswith("-router")]
+    routers = [actor for name, actor in found if name.endswith("-router")]
+    for group in (workers, routers):  # the router last: it serves until the workers drained
+        stops = [actor.stop.remote() for actor in group]
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        for actor in group:
+            ray.kill(actor, no_restart=True)
+    try:
+        remove_placement_group(get_placement_group(f"{config.name}-pg"))
+    except ValueError:  # never created
+        pass
+    _wait_for(lambda: not _existing(config), CALL_TIMEOUT_S * 3,
+              f"actors of {config.name!r} still present after teardown")
+    return [name for name, _ in found]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise DeployError(message)
+        time.sleep(0.2)
+
+
+def status(config: DeployConfig) -> dict[str, Any]:
+    """Nodes, every actor (its info, or why it does not answer), and the router's view."""
+    from pdserve_proto import pdserve_pb2 as pb
+    from router.client import cluster_status
+
+    connect(config)
+    nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": n["Alive"],
+              "resources": n["Resources"]} for n in ray.nodes()]
+    actors = []
+    for name in actor_names(config):
+        actor = _actor(config, name)
+        if actor is None:
+            actors.append({"name": name, "state": "absent"})
+            continue
+        try:
+            info = ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+            actors.append({"name": name, "state": "alive", **info})
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+            actors.append({"name": name, "state": f"not answering ({type(exc).__name__})"})
+    router = next((a for a in actors if a["name"].endswith("-router") and "address" in a), None)
+    registered = []
+    if router is not None:
+        try:
+            registered = [{"id": w.worker_id, "role": _role_name(pb, w.role),
+                           "address": w.address, "healthy": w.healthy, "draining": w.draining}
+                          for w in cluster_status(router["address"]).workers]
+        except Exception as exc:  # reported, not raised: status must show a broken cluster
+            registered = [{"error": f"router not answering: {exc}"}]
+    return {"name": config.name, "nodes": nodes, "actors": actors, "registered": registered}
+
+
+def _role_name(pb: Any, role: int) -> str:
+    return pb.WorkerRole.Name(role).removeprefix("WORKER_ROLE_").lower()

@@ -1,0 +1,29 @@
+"""Shared pieces of the Ray deployment tests: the tiny-model config and the Ray environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from deploy.config import DeployConfig
+from router.launch import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "pdserve-test"
+
+
+def tiny_config(model: Path, **sections: dict) -> DeployConfig:
+    data = {"name": "t", "ray": {"namespace": NAMESPACE},
+            "model": {"path": str(model), "kv_cache_gb": 0.05, "dtype": "float32"},
+            "router": {"port": free_port(), "num_cpus": 0},
+            "placement": {"timeout_s": 120}, "workers": {"grace_s": 5}}
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return DeployConfig.from_dict(data)
+
+
+def export_checkout_to_ray() -> None:
+    """Ray's worker processes inherit the environment of the processes that start them (this
+    one, for a local cluster): put this checkout on their import path."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
