@@ -211,7 +211,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_model_len: int | None = None
-    attention_backend: str = "auto"  # auto | torch | reference
+    attention_backend: str = "auto"  # auto (CUDA: triton, else torch), torch, triton, reference
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ class AttentionBackend:
     def __init__(self, fn: PagedAttentionFn, name: str):
         self._fn = fn
         self.name = name
+        # How this step's K/V reach the cache: the backend's own kernel, else index_copy.
+        self.write_kv: Callable[..., None] = getattr(fn, "write_kv", write_kv_cache)
         # Backends that can attend a fresh prompt straight from this step's K/V say so.
         self._takes_new_kv = bool(getattr(fn, "takes_new_kv", False))
 
@@ -66,6 +69,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return AttentionBackend(paged_attention_reference, "reference")
     if name == "triton" or (name == "auto" and device.type == "cuda"):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend 'triton' needs a CUDA device, or "
+                             "TRITON_INTERPRET=1 to run the kernels on CPU")
         try:
             from engine.attention.triton_paged import paged_attention_triton
         except ImportError as exc:

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata, write_kv_cache
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.models.linear import Linear
 
@@ -105,7 +105,7 @@ class DecoderLayer:
         k = apply_rope(k.view(t, self.n_kv, self.head_dim), *rope)
         v = v.view(t, self.n_kv, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        attention.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
                          max_seq_len=md.max_seq_len, new_kv=(k, v))
