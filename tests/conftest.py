@@ -1,10 +1,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels run under Triton's interpreter on CPU. Triton reads this when it is
+    # first imported (transformers may import it long before the kernel tests run), so it is set
+    # here, before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

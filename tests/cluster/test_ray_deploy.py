@@ -66,22 +66,16 @@ def test_deploy_stream_restart_and_teardown(local_ray, tiny_llama_dir):
         reference = _generate(result.router_address)
         assert {a["role"] for a in result.actors} == {"router", "prefill", "decode"}
 
-        # A worker actor killed (its process dies): Ray restarts it, it registers again.
-        decode = ray.get_actor("t-decode-0")
-        old_pid = ray.get(decode.info.remote(), timeout=10)["pid"]
-        ray.kill(decode, no_restart=False)
-        wait_until(lambda: _restarted("t-decode-0", old_pid), 120, "the decode actor restarted")
-        deployment._wait_registered(result.router_address, 2, 60)
-        assert _generate(result.router_address) == reference
-
-        # The router actor killed: it comes back on its fixed port and rebuilds its registry
-        # from the workers' heartbeats (they register again when it does not know them).
-        router = ray.get_actor("t-router")
-        old_pid = ray.get(router.info.remote(), timeout=10)["pid"]
-        ray.kill(router, no_restart=False)
-        wait_until(lambda: _restarted("t-router", old_pid), 120, "the router actor restarted")
-        deployment._wait_registered(result.router_address, 2, 60)
-        assert _generate(result.router_address) == reference
+        # A worker actor killed (its process dies): Ray restarts it, it registers again. The
+        # router actor killed: it comes back on its fixed port and rebuilds its registry from
+        # the workers' heartbeats (they register again when it does not know them).
+        for name in ("t-decode-0", "t-router"):
+            actor = ray.get_actor(name)
+            old_pid = ray.get(actor.info.remote(), timeout=10)["pid"]
+            ray.kill(actor, no_restart=False)
+            wait_until(lambda: _restarted(name, old_pid), 120, f"{name} restarted")  # noqa: B023
+            deployment._wait_registered(result.router_address, 2, 60)
+            assert _generate(result.router_address) == reference
 
         report = deployment.status(config)
         assert {a["state"] for a in report["actors"]} == {"alive"}

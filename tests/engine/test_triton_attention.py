@@ -7,22 +7,16 @@ token for token."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
+from engine.attention import triton_paged
+from engine.attention.reference import paged_attention_reference
+from engine.attention.torch_paged import paged_attention_torch
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before import
-
-from engine.attention import triton_paged  # noqa: E402
-from engine.attention.reference import paged_attention_reference  # noqa: E402
-from engine.attention.torch_paged import paged_attention_torch  # noqa: E402
-
-if DEVICE == "cpu":  # imported earlier without the interpreter: decorate again under it
-    triton_paged = importlib.reload(triton_paged)
+# On CPU, tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
+assert DEVICE == "cuda" or triton_paged.interpreting()
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 CASES = {  # (query lengths, sequence lengths)
