@@ -1,5 +1,15 @@
 """Reserved blocks waiting for a prompt's KV, each under a lease. Plain Python: the decode
-policy calls into it from the engine-loop thread only."""
+policy calls into it from the engine-loop thread only.
+
+The invariant (one-sided writes make it matter): **a reservation's blocks are released only when
+no write into them can still land.** A write begins with `begin_receive` (naming its writer:
+empty for a transfer this worker receives itself, or the key of a peer's mapping of our cache for
+a one-sided write) and the reservation is then RECEIVING. While RECEIVING, nothing frees the
+blocks: an abort only marks the reservation, and the lease does not run. RECEIVING ends only by
+`end_receive` (the writer reports it is done, well or not) or `writer_gone` (the writer's mapping
+closed: it let go of our cache with no write in flight, or it died) — and then an aborted or
+failed reservation is freed. Blocks are taken fresh at reservation, never from the prefix cache,
+so a write can only land in blocks that belong to that request alone."""
 
 from __future__ import annotations
 
@@ -24,6 +34,7 @@ class Reservation:
     expires_at: float
     state: LeaseState = LeaseState.RESERVED
     aborted: bool = False  # abort arrived while RECEIVING: free once the transfer is done
+    writer: str = ""  # while RECEIVING: the mapping writing into the blocks ("" = ourselves)
 
 
 class ReservationTable:
@@ -43,13 +54,31 @@ class ReservationTable:
     def add(self, request: Request, lease_s: float) -> None:
         self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
 
-    def begin_receive(self, request_id: str) -> Request:
-        """Pause the lease while a transfer writes into the blocks."""
+    def begin_receive(self, request_id: str, writer: str = "") -> Request:
+        """Pause the lease while a transfer (by `writer`, see the module doc) writes into the
+        blocks."""
         reservation = self._get(request_id)
         if reservation.state is not LeaseState.RESERVED:
             raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
         reservation.state = LeaseState.RECEIVING
+        reservation.writer = writer
         return reservation.request
+
+    def writer_of(self, request_id: str) -> str | None:
+        """The writer of a RECEIVING reservation (None when it is not being written)."""
+        reservation = self._table.get(request_id)
+        if reservation is None or reservation.state is not LeaseState.RECEIVING:
+            return None
+        return reservation.writer
+
+    def writer_gone(self, writer: str) -> list[str]:
+        """`writer`'s mapping closed: none of its writes can land any more. Every reservation it
+        was writing ends as failed (blocks freed); returns their request ids."""
+        ended = [rid for rid, r in self._table.items()
+                 if r.state is LeaseState.RECEIVING and writer and r.writer == writer]
+        for rid in ended:
+            self._drop(rid)
+        return ended
 
     def end_receive(self, request_id: str, ok: bool) -> bool:
         """The transfer finished. On success the lease restarts (the Decode call must follow);

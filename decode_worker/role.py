@@ -14,4 +14,4 @@ def decode_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
     worker = DecodeWorker(engine, options)
     return WorkerRole(worker, SERVICE_NAMES, options.public_host,
                       lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(
-                          DecodeWorkerServicer(worker), server))
+                          DecodeWorkerServicer(worker), server), worker.kv_export_address)

@@ -14,7 +14,7 @@ import torch
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
-from kv_transfer import KVReceiver, TransferError, TransferStats
+from kv_transfer import KVExporter, KVReceiver, TransferError, TransferStats
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
@@ -58,6 +58,11 @@ class DecodeWorker:
         self.receiver = KVReceiver(options.worker_id, options.host, torch.device(options.device),
                                    options.transfer_timeout_s)
         self.transfer_address = f"{options.public_host}:{self.receiver.port}"
+        # Same-host prefill workers write into our cache themselves (kv_transfer.shared).
+        self.exporter = (KVExporter(options.worker_id, engine.runner.kv_buffer,
+                                    on_gone=self._writer_gone)
+                         if options.kv_transport != "dist" and options.role == "decode" else None)
+        self.kv_export_address = self.exporter.address if self.exporter else ""
 
     # ---- disaggregated path ----------------------------------------------------------------
     def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -77,9 +82,16 @@ class DecodeWorker:
         return ReservedBlocks(self.loop.call(run, COMMAND_TIMEOUT_S), self.transfer_address)
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
-                   num_blocks: int, dtype: str) -> TransferStats:
+                   num_blocks: int, dtype: str, transport: str = "dist", mapping_id: int = 0
+                   ) -> TransferStats:
         """Receive the prompt's KV into the reserved blocks (KeyError: no such reservation;
-        ValueError: shape/dtype mismatch; TransferError: the transfer failed)."""
+        ValueError: shape/dtype mismatch; TransferError: the transfer failed). With the shared
+        transport this only admits the peer's write; `finish_kv` reports its end."""
+        if transport == "shared":
+            self._admit_write(request_id, mapping_id, num_blocks, dtype)
+            return TransferStats(0, 0.0, "shared")
+        if transport != "dist":
+            raise ValueError(f"transport must be shared or dist, got {transport!r}")
         engine = self.loop.engine
         try:
             request = self.loop.call(lambda e: self.table.begin_receive(request_id),
@@ -95,16 +107,66 @@ class DecodeWorker:
             stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
                                           list(request.block_ids))
             ok = True
-            self.metrics.transfer("received", stats.num_bytes, stats.seconds)
+            self.metrics.transfer("received", stats.num_bytes, stats.seconds, "dist")
             return stats
         except TransferError:
-            self.metrics.transfer_failed("received")
+            self.metrics.transfer_failed("received", "dist")
             raise
         finally:
             held = self.loop.call(lambda e: self.table.end_receive(request_id, ok),
                                   COMMAND_TIMEOUT_S)
             if ok and not held:
                 raise TransferError(f"request {request_id!r} was aborted during its transfer")
+
+    def _admit_write(self, request_id: str, mapping_id: int, num_blocks: int, dtype: str
+                     ) -> None:
+        """Let a live mapping of our cache write into a reservation's blocks (RECEIVING from
+        here on, until finish_kv or the mapping closes)."""
+        if self.exporter is None:
+            raise ValueError("this decode worker runs --kv-transport dist: it exports no cache")
+
+        def begin(engine: LLMEngine) -> None:
+            writer = self.exporter.writer_key(mapping_id)
+            if writer is None:
+                raise KeyError(f"mapping {mapping_id} of this worker's KV cache is not open")
+            request = self.table.begin_receive(request_id, writer)
+            try:
+                _check_shape(engine, request.block_ids, num_blocks, dtype)
+            except ValueError:
+                self.table.end_receive(request_id, ok=False)
+                raise
+
+        self.loop.call(begin, COMMAND_TIMEOUT_S)
+
+    def finish_kv(self, request_id: str, sender_id: str, ok: bool, num_bytes: int,
+                  seconds: float) -> bool:
+        """A peer's write ended; True while the request still holds its blocks (KV ready)."""
+
+        def end(engine: LLMEngine) -> bool:
+            writer = self.table.writer_of(request_id)
+            if writer is None:  # aborted and freed when the mapping closed, or never begun
+                return False
+            if not writer.startswith(f"{sender_id}#"):
+                raise KeyError(f"request {request_id!r} is being written by {writer}, not "
+                               f"{sender_id}")
+            return self.table.end_receive(request_id, ok)
+
+        held = self.loop.call(end, COMMAND_TIMEOUT_S)
+        if ok and held:
+            self.metrics.transfer("received", num_bytes, seconds, "shared")
+        elif not ok:
+            self.metrics.transfer_failed("received", "shared")
+        return held
+
+    def _writer_gone(self, writer: str) -> None:
+        """Runs on the exporter's thread when a mapping closes: end its writes on the loop."""
+
+        def end(engine: LLMEngine) -> None:
+            for request_id in self.table.writer_gone(writer):
+                log.warning("the mapping %s closed during the write of %s; blocks freed",
+                            writer, request_id)
+
+        self.loop.post(end)
 
     def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None
               ) -> Iterator[RequestOutput]:
@@ -157,6 +219,8 @@ class DecodeWorker:
                               COMMAND_TIMEOUT_S)
 
     def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         self.loop.stop()
 
 

@@ -22,8 +22,12 @@ Schema (every key optional except where noted; unknown keys are errors):
     prefill: {replicas: 1}
     decode: {replicas: 1}
     workers:
-      device: cpu              # cpu: each worker asks for num_cpus; cuda: num_gpus=1
+      device: cpu              # cpu: each worker asks for num_cpus; cuda: num_gpus=gpus_per_worker
       num_cpus: 1              # Ray CPUs per worker (also its torch threads on CPU)
+      gpus_per_worker: null    # cuda only: a fraction in (0, 1] (null: 1); 0.5 lets 2 share a GPU
+      gpu_memory_fraction: null  # cuda only: share of its GPU's memory a worker's engine may use,
+                               # in (0, 0.95] (null: 0.9 x gpus_per_worker, rounded down)
+      kv_transport: auto       # auto | shared | dist: how KV moves from prefill to decode workers
       host: 127.0.0.1          # or "node-ip" (needed when workers span nodes)
       max_restarts: 3
       grace_s: 30
@@ -34,6 +38,7 @@ Schema (every key optional except where noted; unknown keys are errors):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,9 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DTYPES = ("float32", "bfloat16", "float16")
 NODE_IP = "node-ip"  # a host setting meaning "the address of the node the actor runs on"
 MAX_REPLICAS = 64
+KV_TRANSPORTS = ("auto", "shared", "dist")
+DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of a whole GPU; a worker with part of a GPU gets that part
+MAX_GPU_MEMORY_FRACTION = 0.95  # what the workers sharing one GPU may use together, at most
 
 
 class ConfigError(ValueError):
@@ -105,11 +113,18 @@ class ReplicasSection:
 
 @dataclass(frozen=True)
 class WorkersSection:
+    """Ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES), as cuda:0: two actors
+    sharing one GPU (gpus_per_worker < 1) can use the shared (CUDA IPC) KV transport, actors on
+    different GPUs fall back to dist (NCCL) under auto — which cannot put two ranks on one GPU."""
+
     device: str = "cpu"
     num_cpus: int = 1
     host: str = "127.0.0.1"
     max_restarts: int = 3
     grace_s: float = 30.0
+    gpus_per_worker: float | None = None
+    gpu_memory_fraction: float | None = None
+    kv_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -119,11 +134,63 @@ class WorkersSection:
         _check_restarts("workers.max_restarts", self.max_restarts)
         if not self.grace_s > 0:
             raise ConfigError(f"workers.grace_s must be > 0, got {self.grace_s}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ConfigError(f"workers.kv_transport must be one of {', '.join(KV_TRANSPORTS)}, "
+                              f"got {self.kv_transport!r}")
+        self._check_gpu_keys()
+
+    def _check_gpu_keys(self) -> None:
+        for key in ("gpus_per_worker", "gpu_memory_fraction"):
+            if getattr(self, key) is not None and self.device != "cuda":
+                raise ConfigError(f"workers.{key} needs workers.device: cuda")
+        if self.device != "cuda":
+            return
+        if not 0 < self.num_gpus <= 1:
+            raise ConfigError(f"workers.gpus_per_worker must be in (0, 1], got "
+                              f"{self.gpus_per_worker}")
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0 < fraction <= MAX_GPU_MEMORY_FRACTION:
+            raise ConfigError(f"workers.gpu_memory_fraction must be in (0, "
+                              f"{MAX_GPU_MEMORY_FRACTION}], got {fraction}")
+        sharing = math.floor(1 / self.num_gpus + 1e-9)  # workers Ray may put on one GPU
+        fraction = self.worker_gpu_memory_fraction or 0.0
+        if not 0 < sharing * fraction <= MAX_GPU_MEMORY_FRACTION + 1e-9:
+            raise ConfigError(f"workers.gpu_memory_fraction {fraction:g} x {sharing} workers on "
+                              f"one GPU (gpus_per_worker {self.num_gpus:g}) must be in (0, "
+                              f"{MAX_GPU_MEMORY_FRACTION}] of it")
+        if self.kv_transport == "dist" and sharing > 1:
+            raise ConfigError(f"workers.kv_transport dist needs a whole GPU per worker "
+                              f"(gpus_per_worker is {self.num_gpus:g}): NCCL cannot put two "
+                              f"ranks on one GPU; use auto or shared")
+
+    @property
+    def num_gpus(self) -> float:
+        """The GPUs each worker actor asks Ray for (0 on CPU)."""
+        if self.device != "cuda":
+            return 0.0
+        return 1.0 if self.gpus_per_worker is None else self.gpus_per_worker
+
+    @property
+    def worker_gpu_memory_fraction(self) -> float | None:
+        """--gpu-memory-fraction: the key, else 0.9 x gpus_per_worker rounded down; None on CPU."""
+        if self.device != "cuda":
+            return None
+        if self.gpu_memory_fraction is not None:
+            return self.gpu_memory_fraction
+        return math.floor(round(DEFAULT_GPU_MEMORY_FRACTION * self.num_gpus * 100, 6)) / 100
 
     @property
     def bundle(self) -> dict[str, float]:
-        """One worker's placement-group bundle: its CPUs, plus one GPU on CUDA."""
-        return {"CPU": self.num_cpus, **({"GPU": 1} if self.device == "cuda" else {})}
+        """One worker's placement-group bundle: its CPUs, plus its (part of a) GPU on CUDA."""
+        return {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.device == "cuda" else {})}
+
+    def worker_options(self) -> dict[str, Any]:
+        """The serving.options.WorkerOptions fields every worker gets from this section."""
+        options: dict[str, Any] = {"device": self.device, "threads": self.num_cpus,
+                                   "kv_transport": self.kv_transport}
+        if self.worker_gpu_memory_fraction is not None:
+            options["gpu_memory_fraction"] = self.worker_gpu_memory_fraction
+        return options
 
 
 @dataclass(frozen=True)
@@ -158,6 +225,13 @@ class DeployConfig:
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
                                   f"{replicas}")
+
+    def worker_engine(self) -> dict[str, Any]:
+        """The WorkerOptions fields (besides role, ids and addresses) every worker actor gets."""
+        model = self.model
+        return {"model": model.path, "dtype": model.dtype, "kv_cache_gb": model.kv_cache_gb,
+                "max_num_batched_tokens": model.max_num_batched_tokens,
+                **self.workers.worker_options()}
 
     @property
     def worker_names(self) -> list[tuple[str, str]]:

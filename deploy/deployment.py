@@ -126,18 +126,17 @@ def _start_router(config: DeployConfig) -> Any:
 
 def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,
                   router_address: str) -> Any:
-    workers, model = config.workers, config.model
-    engine = {"model": model.path, "dtype": model.dtype, "kv_cache_gb": model.kv_cache_gb,
-              "max_num_batched_tokens": model.max_num_batched_tokens,
-              "device": workers.device, "threads": workers.num_cpus}
+    workers = config.workers
+    # On CUDA Ray gives the actor its GPU (or its part of one) as its only visible device, so
+    # "cuda" is that GPU; gpus_per_worker < 1 lets several workers share one GPU.
     return ray.remote(WorkerActor).options(
         name=f"{config.name}-{worker_id}", namespace=config.ray.namespace, lifetime="detached",
         max_restarts=workers.max_restarts, max_concurrency=4, num_cpus=workers.num_cpus,
-        num_gpus=1 if workers.device == "cuda" else 0,
+        num_gpus=workers.num_gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=bundle),
-    ).remote(role, worker_id, router_address, workers.host, engine, workers.grace_s,
-             config.placement.timeout_s)
+    ).remote(role, worker_id, router_address, workers.host, config.worker_engine(),
+             workers.grace_s, config.placement.timeout_s)
 
 
 def _wait_registered(router_address: str, count: int, timeout_s: float) -> None:

@@ -141,7 +141,10 @@ class CacheConfig:
     """Paged KV cache: block size and memory budget.
 
     The number of blocks comes from `num_blocks` when given (tests), else from `kv_cache_gb`, else
-    from `kv_cache_memory_fraction` of the memory available when the engine starts.
+    from `kv_cache_memory_fraction` of the memory available when the engine starts. Else, on CUDA,
+    from `gpu_memory_fraction` like vLLM's gpu_memory_utilization: the engine may use that share
+    of the GPU's total memory, and the KV cache gets what the weights and an activation reserve
+    leave of it (engine.model_runner.num_kv_blocks); on CPU, `DEFAULT_KV_CACHE_GB`.
     """
 
     block_size: int = 16
@@ -149,6 +152,8 @@ class CacheConfig:
     kv_cache_memory_fraction: float | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    shareable: bool = False  # CPU: allocate in shared memory so a peer process can map it
+    gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory the engine may use
 
     DEFAULT_KV_CACHE_GB = 1.0
 
@@ -160,6 +165,9 @@ class CacheConfig:
         fraction = self.kv_cache_memory_fraction
         if fraction is not None and not (0 < fraction <= 0.95):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.95], got {fraction}")
+        if not 0 < self.gpu_memory_fraction <= 0.95:
+            raise ValueError(f"gpu_memory_fraction must be in (0, 0.95], got "
+                             f"{self.gpu_memory_fraction}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 

@@ -21,16 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.packing import pack_blocks, packed_shapes, unpack_blocks
-from kv_transfer.pair import (
-    RECEIVER_RANK,
-    SENDER_RANK,
-    PairRegistry,
-    TransferError,
-    connect_store,
-    host_store,
-)
-from kv_transfer.transfer import TransferStats, receive_blocks, send_blocks
+from kv_transfer.pair import RECEIVER_RANK, SENDER_RANK, PairRegistry, connect_store, host_store
+from kv_transfer.transfer import receive_blocks, send_blocks
 
 
 def pair_key(sender_id: str, receiver_id: str) -> str:

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kv_transfer.errors import TransferError
+
 RECEIVER_RANK = 0
 SENDER_RANK = 1
-
-
-class TransferError(RuntimeError):
-    """A transfer failed or timed out; the pair it used has been torn down."""
 
 
 def backend_for(device: torch.device) -> str:

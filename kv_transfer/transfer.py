@@ -5,17 +5,11 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.pair import PairGroup, TransferError
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    num_bytes: int
-    seconds: float
+from kv_transfer.errors import TransferError, TransferStats
+from kv_transfer.pair import PairGroup
 
 
 def _wait_all(works: list, timeout_s: float, what: str) -> None:

@@ -98,18 +98,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes")
+    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     e2e_s: float
     kv_transfer_s: float
     kv_transfer_bytes: int
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -173,7 +175,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "healthy", "queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "seconds_since_heartbeat", "draining", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "healthy", "queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "seconds_since_heartbeat", "draining", "metrics_address", "host_id", "kv_device", "kv_transport")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,9 @@ class WorkerStatus(_message.Message):
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -198,7 +203,10 @@ class WorkerStatus(_message.Message):
     seconds_since_heartbeat: float
     draining: bool
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    host_id: str
+    kv_device: str
+    kv_transport: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("model", "workers", "queued_requests", "running_requests", "metrics_address")
@@ -229,7 +237,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_export_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +247,10 @@ class RegisterRequest(_message.Message):
     KV_TRANSFER_HOST_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -248,7 +260,11 @@ class RegisterRequest(_message.Message):
     kv_transfer_host: str
     load: WorkerLoad
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    host_id: str
+    kv_device: str
+    kv_transport: str
+    kv_export_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_export_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -309,20 +325,44 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
-    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype")
+    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "transport", "mapping_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MAPPING_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     generation: int
     tag: int
     num_blocks: int
     dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    transport: str
+    mapping_id: int
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., transport: _Optional[str] = ..., mapping_id: _Optional[int] = ...) -> None: ...
+
+class FinishKVRequest(_message.Message):
+    __slots__ = ("request_id", "sender_id", "ok", "num_bytes", "seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sender_id: str
+    ok: bool
+    num_bytes: int
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FinishKVResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
 
 class ReceiveKVResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")
@@ -357,7 +397,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +405,10 @@ class PrefillRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -372,10 +416,14 @@ class PrefillRequest(_message.Message):
     decode_address: str
     transfer_address: str
     decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    decode_host_id: str
+    decode_kv_device: str
+    decode_kv_transport: str
+    decode_kv_export_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "finish_reason", "stop_reason")
+    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "finish_reason", "stop_reason", "kv_transport")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +432,7 @@ class PrefillResponse(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: TokenLogprob
     cached_tokens: int
@@ -392,4 +441,5 @@ class PrefillResponse(_message.Message):
     kv_transfer_bytes: int
     finish_reason: FinishReason
     stop_reason: str
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    kv_transport: str
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...

@@ -12,11 +12,8 @@ from serving.worker_main import WorkerRole
 
 
 def prefill_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
-    stubs = DecodeStubs(options.transfer_timeout_s)
-    worker = PrefillWorker(
-        engine, options,
-        lambda target, rid, gen, tag, n, dtype: stubs.start_receive(
-            target, rid, gen, tag, n, dtype, options.worker_id))
+    worker = PrefillWorker(engine, options,
+                           DecodeStubs(options.transfer_timeout_s, options.worker_id))
     return WorkerRole(worker, SERVICE_NAMES, options.public_host,
                       lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(
                           PrefillWorkerServicer(worker), server))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kv_transfer import TransferError
+from kv_transfer import KVPlace, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from prefill_worker.worker import DecodeTarget, PrefillResult, PrefillWorker
@@ -26,10 +26,12 @@ DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline
 
 
 class DecodeStubs:
-    """One channel per decode worker address, shared by every transfer to it."""
+    """One channel per decode worker address, shared by every transfer to it: the KV control
+    RPCs (`prefill_worker.worker.DecodeControl`) this prefill worker sends as `sender_id`."""
 
-    def __init__(self, rpc_timeout_s: float):
+    def __init__(self, rpc_timeout_s: float, sender_id: str):
         self.rpc_timeout_s = rpc_timeout_s
+        self.sender_id = sender_id
         self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
         self._lock = threading.Lock()
 
@@ -40,10 +42,11 @@ class DecodeStubs:
             return self._stubs[address]
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str, sender_id: str) -> Callable[[float], object]:
-        message = pb.ReceiveKVRequest(request_id=request_id, sender_id=sender_id,
+                      num_blocks: int, dtype: str, transport: str = "dist",
+                      mapping_id: int = 0) -> Callable[[float], object]:
+        message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
                                       generation=generation, tag=tag, num_blocks=num_blocks,
-                                      dtype=dtype)
+                                      dtype=dtype, transport=transport, mapping_id=mapping_id)
         future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
 
         def wait_ack(timeout_s: float) -> object:
@@ -54,6 +57,16 @@ class DecodeStubs:
                                     f"the KV: {exc.code().name}: {exc.details()}") from exc
 
         return wait_ack
+
+    def finish_receive(self, target: DecodeTarget, request_id: str, ok: bool, num_bytes: int,
+                       seconds: float) -> bool:
+        message = pb.FinishKVRequest(request_id=request_id, sender_id=self.sender_id, ok=ok,
+                                     num_bytes=num_bytes, seconds=seconds)
+        try:
+            return self.stub(target.address).FinishKV(message, timeout=self.rpc_timeout_s).held
+        except grpc.RpcError as exc:
+            raise TransferError(f"decode worker {target.worker_id} did not take the end of the "
+                                f"KV write: {exc.code().name}: {exc.details()}") from exc
 
 
 class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
@@ -66,8 +79,7 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         self.gate.check_new(context, "Prefill")
         remaining = context.time_remaining()
         timeout_s = DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
-        target = DecodeTarget(request.decode_worker_id, request.decode_address,
-                              request.transfer_address, list(request.decode_block_ids))
+        target = _target(request)
         try:
             result = self.worker.prefill(request.request_id, list(request.prompt_token_ids),
                                          sampling_from_proto(request.sampling), target,
@@ -81,6 +93,10 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
                              f"prefill of {request.request_id} did not finish in "
                              f"{timeout_s:.1f}s")
         except TransferError as exc:
+            if exc.permanent:  # the same pair would fail again: the router places another
+                self.gate.reject(context, "Prefill", grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"KV transfer {self.worker.worker_id} -> {target.worker_id} "
+                                 f"cannot work: {exc}")
             # ABORTED tells the router the KV did not reach the decode worker (which may be the
             # one at fault): it retries with a fresh reservation.
             self.gate.reject(context, "Prefill", grpc.StatusCode.ABORTED,
@@ -94,6 +110,16 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         return pb.AbortResponse(found=self.worker.abort(request.request_id))
 
 
+def _target(request: pb.PrefillRequest) -> DecodeTarget:
+    place = None
+    if request.decode_host_id:  # a router that knows where the decode worker's cache lives
+        place = KVPlace(request.decode_worker_id, request.decode_host_id,
+                        request.decode_kv_device or "cpu", request.decode_kv_transport or "auto")
+    return DecodeTarget(request.decode_worker_id, request.decode_address,
+                        request.transfer_address, list(request.decode_block_ids), place,
+                        request.decode_kv_export_address)
+
+
 def _response(result: PrefillResult) -> pb.PrefillResponse:
     response = pb.PrefillResponse(first_token_id=result.first_token,
                                   cached_tokens=result.cached_tokens, prefill_s=result.prefill_s)
@@ -102,6 +128,7 @@ def _response(result: PrefillResult) -> pb.PrefillResponse:
     if result.transfer is not None:
         response.kv_transfer_s = result.transfer.seconds
         response.kv_transfer_bytes = result.transfer.num_bytes
+        response.kv_transport = result.transfer.transport
     if result.finish_reason is not None:
         response.finish_reason = finish_reason_to_proto(result.finish_reason)
         response.stop_reason = stop_reason_to_proto(result.stop_reason)

@@ -7,13 +7,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import Request, SamplingParams
-from kv_transfer import KVSender, TransferStats
+from kv_transfer import (
+    KVPlace,
+    KVSender,
+    SharedSender,
+    TransferError,
+    TransferStats,
+    TransportRefused,
+    choose_transport,
+    device_identity,
+    local_host_id,
+)
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
@@ -27,8 +38,10 @@ COMMAND_TIMEOUT_S = 30.0
 class DecodeTarget:
     worker_id: str
     address: str  # gRPC
-    transfer_address: str  # KV rendezvous store
+    transfer_address: str  # KV rendezvous store (dist transport)
     block_ids: list[int]
+    place: KVPlace | None = None  # where its cache lives (None: an unknown place, dist only)
+    export_address: str = ""  # its cache's export (shared transport)
 
 
 @dataclass(frozen=True)
@@ -42,20 +55,46 @@ class PrefillResult:
     transfer: TransferStats | None
 
 
-# Starts the decode side's receive (the ReceiveKV RPC) and returns a wait for its acknowledgement.
-StartReceive = Callable[[DecodeTarget, str, int, int, int, str], Callable[[float], object]]
+class DecodeControl(Protocol):
+    """The decode workers' KV control RPCs (prefill_worker.service.DecodeStubs)."""
+
+    def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
+                      num_blocks: int, dtype: str, transport: str = "dist",
+                      mapping_id: int = 0) -> Callable[[float], object]:
+        """ReceiveKV: returns a wait for the decode side's answer (TransferError if refused)."""
+
+    def finish_receive(self, target: DecodeTarget, request_id: str, ok: bool, num_bytes: int,
+                       seconds: float) -> bool:
+        """FinishKV: whether the decode side still holds the request (TransferError on
+        failure)."""
+
+
+@dataclass
+class ShipPlan:
+    """How one request's KV goes out."""
+
+    request: Request
+    target: DecodeTarget
+    blocks: list[int]  # our block ids, in the order of target.block_ids
+    dtype: str
+    acks: list[Callable[[float], object]] = field(default_factory=list)
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, options: WorkerOptions, start_receive: StartReceive):
+    def __init__(self, engine: LLMEngine, options: WorkerOptions, control: DecodeControl):
         self.options = options
         self.worker_id = options.worker_id
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         self.loop = EngineLoop(engine, observer=self.metrics)
-        self.sender = KVSender(options.worker_id, options.host, torch.device(options.device),
+        device = torch.device(options.device)
+        self.sender = KVSender(options.worker_id, options.host, device,
                                options.transfer_timeout_s)
-        self.start_receive = start_receive
+        self.shared = SharedSender(options.worker_id, options.transfer_timeout_s)
+        self.place = KVPlace(options.worker_id, local_host_id(), device_identity(device),
+                             options.kv_transport)
+        self.unmappable: set[str] = set()  # exports that cannot be mapped from here (auto: dist)
+        self.control = control
         self.shipping: dict[str, Request] = {}
         self.cancelled: set[str] = set()  # shipping requests aborted before their send began
         # Sends to one decode worker run one at a time; the threads let sends to the others
@@ -103,26 +142,74 @@ class PrefillWorker:
     def _ship(self, request: Request, first: RequestOutput, target: DecodeTarget,
               done: Future[PrefillResult]) -> None:
         engine = self.loop.engine
-        blocks = request.block_ids[:len(target.block_ids)]
-        dtype = str(engine.dtype).removeprefix("torch.")
-        acks: list[Callable[[float], object]] = []
+        plan = ShipPlan(request, target, request.block_ids[:len(target.block_ids)],
+                        str(engine.dtype).removeprefix("torch."))
+        transport = "dist"
         try:
             if request.request_id in self.cancelled:
                 raise RuntimeError(f"request {request.request_id} aborted before its KV was sent")
-            stats = self.sender.send(
-                target.worker_id, target.transfer_address, engine.runner.kv_caches, blocks,
-                lambda generation, tag: acks.append(self.start_receive(
-                    target, request.request_id, generation, tag, len(blocks), dtype)))
-            acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
-            self.metrics.transfer("sent", stats.num_bytes, stats.seconds)
+            transport = self.transport_for(target)
+            stats = self._send(plan, transport)
+            self.metrics.transfer("sent", stats.num_bytes, stats.seconds, stats.transport)
             done.set_result(self._result(first, stats))
         except Exception as exc:
-            self.metrics.transfer_failed("sent")
+            self.metrics.transfer_failed("sent", transport)
             log.warning("shipping KV of %s to %s failed: %s", request.request_id,
                         target.worker_id, exc)
             done.set_exception(exc)
         finally:
             self.loop.post(lambda e: self._release(e, request))
+
+    def transport_for(self, target: DecodeTarget) -> str:
+        """The pair's transport (TransferError, permanent, when none can work)."""
+        if target.place is None:
+            return "dist"
+        try:
+            transport = choose_transport(self.place, target.place)
+        except TransportRefused as exc:
+            raise TransferError(str(exc), permanent=True) from exc
+        automatic = self.place.mode == target.place.mode == "auto"
+        if transport == "shared" and automatic and target.export_address in self.unmappable:
+            return "dist"  # one host, but its cache cannot be mapped from here (namespaces)
+        return transport
+
+    def _send(self, plan: ShipPlan, transport: str) -> TransferStats:
+        if transport == "dist":
+            return self._send_dist(plan)
+        try:
+            return self._send_shared(plan)
+        except TransferError as exc:
+            automatic = self.place.mode == "auto" and plan.target.place.mode == "auto"
+            if not (exc.permanent and automatic):
+                raise
+            log.warning("%s; KV to %s goes over dist instead", exc, plan.target.worker_id)
+            self.unmappable.add(plan.target.export_address)
+            return self._send_dist(plan)
+
+    def _send_dist(self, plan: ShipPlan) -> TransferStats:
+        engine, target, rid = self.loop.engine, plan.target, plan.request.request_id
+        acks: list[Callable[[float], object]] = []
+        stats = self.sender.send(
+            target.worker_id, target.transfer_address, engine.runner.kv_caches, plan.blocks,
+            lambda generation, tag: acks.append(self.control.start_receive(
+                target, rid, generation, tag, len(plan.blocks), plan.dtype)))
+        acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
+        return stats
+
+    def _send_shared(self, plan: ShipPlan) -> TransferStats:
+        target, rid = plan.target, plan.request.request_id
+        timeout_s = self.options.transfer_timeout_s
+
+        def begin(mapping_id: int) -> None:
+            self.control.start_receive(target, rid, 0, 0, len(plan.blocks), plan.dtype,
+                                       "shared", mapping_id)(timeout_s)
+
+        def finish(ok: bool, num_bytes: int, seconds: float) -> bool:
+            return self.control.finish_receive(target, rid, ok, num_bytes, seconds)
+
+        return self.shared.send(target.worker_id, target.export_address,
+                                self.loop.engine.runner.kv_buffer.tensor, plan.blocks,
+                                target.block_ids, begin, finish)
 
     def _release(self, engine: LLMEngine, request: Request) -> None:
         self.shipping.pop(request.request_id, None)
@@ -161,4 +248,5 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.loop.stop()
+        self.shared.close()
         self._executor.shutdown(wait=False, cancel_futures=True)

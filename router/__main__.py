@@ -11,6 +11,10 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.launch import ClusterSpec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--dtype", default=None)
     launch.add_argument("--kv-cache-gb", type=float, default=None)
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
+    _add_gpu_args(launch)
     client = sub.add_parser("client", help="stream a generation")
     client.add_argument("prompt", nargs="?", default=None)
     client.add_argument("--chat", default=None, help="a user message (chat template applied)")
@@ -51,6 +56,39 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--timeout-s", type=float, default=120.0)
     return parser
+
+
+def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one GPU per worker, or round-robin when workers outnumber "
+                             "the GPUs")
+    launch.add_argument("--gpus", type=int, default=None,
+                        help="cuda: GPUs to spread the workers over (default: every visible GPU)")
+    launch.add_argument("--gpu-memory-fraction", type=float, default=None,
+                        help="cuda: share of its GPU's memory each worker may use (default: "
+                             "0.9 / workers on that GPU)")
+    launch.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
+                        help="how KV moves from prefill to decode workers (auto: shared on one "
+                             "host, else dist)")
+
+
+def launch_spec(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster `launch` starts; on CUDA without --gpus, every visible GPU (found without
+    torch: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`). Raises ValueError or GpuError."""
+    from router.gpus import visible_gpus
+    from router.launch import ClusterSpec
+
+    colocated = args.colocated
+    gpus = args.gpus
+    if args.device == "cuda" and gpus is None:
+        gpus = visible_gpus()
+    return ClusterSpec(prefill=0 if colocated else args.prefill,
+                       decode=0 if colocated else args.decode, colocated=colocated,
+                       model=args.model, host=args.host, port=args.port,
+                       threads=args.threads, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
+                       device=args.device, gpus=gpus,
+                       gpu_memory_fraction=args.gpu_memory_fraction,
+                       kv_transport=args.kv_transport)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,13 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
             max_queued=args.max_queued, metrics_port=args.metrics_port, grace_s=args.grace_s))
     if args.command == "launch":
-        from router.launch import ClusterSpec, run_until_interrupted
+        from router.gpus import GpuError
+        from router.launch import run_until_interrupted
 
-        colocated = args.colocated
-        spec = ClusterSpec(prefill=0 if colocated else args.prefill,
-                           decode=0 if colocated else args.decode, colocated=colocated,
-                           model=args.model, host=args.host, port=args.port,
-                           threads=args.threads, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb)
+        try:
+            spec = launch_spec(args)
+        except (ValueError, GpuError) as exc:
+            parser.error(str(exc))
         return run_until_interrupted(spec, args.log_dir)
     from router.client import build_request, stream
 

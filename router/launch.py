@@ -17,6 +17,14 @@ import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from router.client import cluster_status
+from router.gpus import (
+    MAX_FRACTION_PER_GPU,
+    GpuSlot,
+    assign_gpus,
+    place_worker,
+    planned_per_gpu,
+    visible_gpus,
+)
 from serving.grpc_server import wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +44,10 @@ class ClusterSpec:
     ready_timeout_s: float = 300.0
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
+    gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
+    gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
+    kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -44,6 +56,41 @@ class ClusterSpec:
             raise ValueError("need >= 1 prefill and >= 1 decode worker, or --colocated N")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("colocated mode runs colocated workers only (set prefill=decode=0)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.kv_transport not in ("auto", "shared", "dist"):
+            raise ValueError(f"--kv-transport must be auto, shared or dist, got "
+                             f"{self.kv_transport!r}")
+        if self.device == "cpu" and (self.gpus is not None
+                                     or self.gpu_memory_fraction is not None):
+            raise ValueError("--gpus and --gpu-memory-fraction need --device cuda")
+        if self.gpus is not None and self.gpus < 1:
+            raise ValueError(f"--gpus must be >= 1, got {self.gpus}")
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and not 0 < fraction <= MAX_FRACTION_PER_GPU:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, {MAX_FRACTION_PER_GPU}], "
+                             f"got {fraction}")
+        if self.gpus is not None:
+            self.check_gpus(self.gpus)
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+    def check_gpus(self, num_gpus: int) -> None:
+        """The workers fit on `num_gpus` GPUs (raises ValueError naming the flag otherwise)."""
+        sharing = max(planned_per_gpu(self.num_workers, num_gpus))
+        fraction = self.gpu_memory_fraction
+        if fraction is not None and sharing * fraction > MAX_FRACTION_PER_GPU + 1e-9:
+            raise ValueError(f"--gpu-memory-fraction {fraction:g} x {sharing} workers on one GPU "
+                             f"= {sharing * fraction:.2f}: the workers on one GPU may use at most "
+                             f"{MAX_FRACTION_PER_GPU} of it together ({self.num_workers} workers "
+                             f"on {num_gpus} GPUs)")
+        if self.kv_transport == "dist" and not self.colocated and sharing > 1:
+            raise ValueError(f"--kv-transport dist needs one GPU per worker ({self.num_workers} "
+                             f"workers on {num_gpus} GPUs): NCCL cannot put two ranks on one "
+                             f"GPU; use --kv-transport auto or shared")
+        assign_gpus(self.num_workers, num_gpus, fraction)  # e.g. too many workers on one GPU
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,10 +106,13 @@ class LocalCluster:
     address: str = ""
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     signalled: set[str] = field(default_factory=set)  # processes meant to exit
+    gpu_slots: dict[str, GpuSlot] = field(default_factory=dict)  # worker name -> its GPU (cuda)
+    num_gpus: int | None = None  # cuda: resolved from spec.gpus or the visible GPUs
 
     def start(self) -> LocalCluster:
         if self.processes:
             raise RuntimeError("this cluster is already started")
+        self.resolve_gpus()  # a cluster that cannot fit fails before anything starts
         port = self.spec.port or free_port(self.spec.host)
         self.address = f"{self.spec.host}:{port}"
         try:
@@ -83,16 +133,44 @@ class LocalCluster:
 
     def spawn_worker(self, role: str) -> str:
         """Start one more worker process (it registers with the router on its own); its name is
-        also its worker id, e.g. "decode-2"."""
+        also its worker id, e.g. "decode-2". On CUDA it gets the GPU with the fewest live
+        workers (router.gpus.place_worker), so a replacement takes a dead worker's place."""
+        name, args = self.worker_command(role)
+        self._spawn(name, args)
+        return name
+
+    def worker_command(self, role: str) -> tuple[str, list[str]]:
+        """The next `role` worker's name and `python -m` arguments; on CUDA its GPU is recorded
+        in `gpu_slots` (the process itself is not started here)."""
         index = sum(name.startswith(f"{role}-") for name in self.processes)
         name = f"{role}-{index}"
         module = "prefill_worker" if role == "prefill" else "decode_worker"
         extra = ["--colocated"] if role == "colocated" else []
-        self._spawn(name, [module, "--router", self.address, "--host", self.spec.host,
-                           "--threads", str(self.spec.threads), "--model", self.spec.model,
-                           "--worker-id", name, *extra, *self._engine_args(),
-                           *self.spec.worker_args])
-        return name
+        return name, [module, "--router", self.address, "--host", self.spec.host,
+                      "--threads", str(self.spec.threads), "--model", self.spec.model,
+                      "--worker-id", name, *extra, *self._engine_args(), *self._gpu_args(name),
+                      *self.spec.worker_args]
+
+    def resolve_gpus(self) -> int | None:
+        """On CUDA: how many GPUs the workers spread over (--gpus, else every visible GPU,
+        found without torch), checked against the workers; None on CPU."""
+        if self.spec.device == "cuda" and self.num_gpus is None:
+            num_gpus = self.spec.gpus or visible_gpus()
+            self.spec.check_gpus(num_gpus)
+            self.num_gpus = num_gpus
+        return self.num_gpus
+
+    def _gpu_args(self, name: str) -> list[str]:
+        num_gpus = self.resolve_gpus()
+        if num_gpus is None:
+            return []
+        live = [slot for worker, slot in self.gpu_slots.items()
+                if worker in self.processes and worker not in self.signalled
+                and self.processes[worker].poll() is None]
+        slot = place_worker(live, self.spec.num_workers, num_gpus,
+                            self.spec.gpu_memory_fraction)
+        self.gpu_slots[name] = slot
+        return slot.worker_args
 
     def signal(self, name: str, sig: int = signal.SIGKILL) -> subprocess.Popen:
         """Send a signal to one process of the cluster (the tests' fault injection)."""
@@ -107,7 +185,7 @@ class LocalCluster:
             args += ["--dtype", self.spec.dtype]
         if self.spec.kv_cache_gb:
             args += ["--kv-cache-gb", str(self.spec.kv_cache_gb)]
-        return args
+        return [*args, "--kv-transport", self.spec.kv_transport]
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.threads), PYTHONUNBUFFERED="1")
@@ -170,7 +248,8 @@ def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
     print("starting the cluster (loading the model in every worker)...", flush=True)
     cluster.start()
     print(f"cluster ready: {cluster.address}  "
-          f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated)\n"
+          f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated"
+          f"{_gpu_note(cluster)})\n"
           f"try: .venv/bin/python -m router client --address {cluster.address} \"Hello!\"\n"
           "Ctrl-C stops everything.", flush=True)
     try:
@@ -184,3 +263,11 @@ def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
         print("stopping...", flush=True)
         cluster.stop()
     return 0
+
+
+def _gpu_note(cluster: LocalCluster) -> str:
+    if not cluster.gpu_slots:
+        return ""
+    placed = ", ".join(f"{name} on cuda:{slot.index} ({slot.memory_fraction:g})"
+                       for name, slot in cluster.gpu_slots.items())
+    return f"; {placed}"

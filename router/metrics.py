@@ -52,10 +52,11 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_router_migrations", "Requests moved to another "
                                   "decode worker mid-stream", registry=self.registry)
         self.kv_transfer_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes moved "
-                                         "from prefill to decode workers",
-                                         registry=self.registry)
+                                         "from prefill to decode workers, by transport",
+                                         ["transport"], registry=self.registry)
         self.kv_transfer_seconds = Counter("pdserve_router_kv_transfer_seconds", "Seconds "
-                                           "spent moving KV", registry=self.registry)
+                                           "spent moving KV, by transport", ["transport"],
+                                           registry=self.registry)
         self.http_port = 0
 
     def watch(self, queued: Callable[[], int], running: Callable[[], int],

@@ -44,6 +44,7 @@ class Finished:
     cached_tokens: int = 0
     kv_transfer_s: float = 0.0
     kv_transfer_bytes: int = 0
+    kv_transport: str = ""
     prefill_started: float = 0.0
     attempts: int = 1
 
@@ -133,7 +134,11 @@ class Orchestrator:
         """Blocks on a decode worker, waiting (within the deadline) until one has room."""
         total = len(part.token_ids) + part.params.max_tokens
         while True:
-            placed = self.placement.place_decode(total, suspects.current(), (Role.DECODE,))
+            unpairable = self.placement.unpairable()
+            if unpairable is not None:  # waiting cannot help: the placement itself is wrong
+                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, unpairable)
+            placed = self.placement.place_decode(total, suspects.current(), (Role.DECODE,),
+                                                 paired=True)
             if placed is None:
                 self._wait_for_room(Role.DECODE, total, scope, suspects)
                 continue
@@ -161,7 +166,7 @@ class Orchestrator:
                  ) -> pb.PrefillResponse:
         while True:
             placed = self.placement.place_prefill(len(part.token_ids), suspects.current(),
-                                                  (Role.PREFILL,))
+                                                  (Role.PREFILL,), decode)
             if placed is None:
                 self._wait_for_room(Role.PREFILL, 0, scope, suspects)
                 continue
@@ -173,12 +178,19 @@ class Orchestrator:
                     request_id=part.worker_request_id, prompt_token_ids=part.token_ids,
                     sampling=sampling_to_proto(part.params), decode_worker_id=decode.worker_id,
                     decode_address=decode.address, transfer_address=reserve.transfer_address,
-                    decode_block_ids=reserve.block_ids), "prefill")
+                    decode_block_ids=reserve.block_ids, decode_host_id=decode.host_id,
+                    decode_kv_device=decode.kv_device, decode_kv_transport=decode.kv_transport,
+                    decode_kv_export_address=decode.kv_export_address), "prefill")
             except RouterError as exc:
                 if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # its queue is full
                     holders.pop()
                     scope.pause(PLACEMENT_POLL_S)
                     continue
+                if exc.worker_code is grpc.StatusCode.FAILED_PRECONDITION:
+                    # This pair can never move KV: never again together; try another pair.
+                    self.placement.mark_broken(prefill, decode, exc.message)
+                    exc.retryable = True
+                    raise
                 # ABORTED: the prefill worker is fine but its KV did not reach the decode one.
                 transfer_failed = exc.worker_code is grpc.StatusCode.ABORTED
                 exc.suspect = decode.worker_id if transfer_failed else prefill.worker_id
@@ -189,8 +201,10 @@ class Orchestrator:
             end.cached_tokens = end.cached_tokens or first.cached_tokens
             end.kv_transfer_s += first.kv_transfer_s
             end.kv_transfer_bytes += first.kv_transfer_bytes
-            self.metrics.kv_transfer_bytes.inc(first.kv_transfer_bytes)
-            self.metrics.kv_transfer_seconds.inc(first.kv_transfer_s)
+            end.kv_transport = first.kv_transport or end.kv_transport
+            transport = first.kv_transport or "none"
+            self.metrics.kv_transfer_bytes.labels(transport).inc(first.kv_transfer_bytes)
+            self.metrics.kv_transfer_seconds.labels(transport).inc(first.kv_transfer_s)
             return first
 
     # ---- colocated -------------------------------------------------------------------------

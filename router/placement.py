@@ -1,5 +1,8 @@
 """Placement policy: prefill on the worker with the least queued prompt tokens; decode on the
-worker with the most free KV blocks that can hold the request.
+worker with the most free KV blocks that can hold the request. Only pairs whose KV can move are
+placed together: the pair's transport follows where the two workers are (kv_transfer.selection),
+and a pair found unworkable at run time (the decode cache could not be mapped, say) is not placed
+together again while both stay registered.
 
 Load is charged at placement time (not only when the next heartbeat reports it), so a burst of long
 prompts spreads over the pool instead of all landing on the worker that looked idle a moment ago.
@@ -14,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kv_transfer.selection import TransportRefused, choose_transport
 from router.registry import Role, Worker, WorkerRegistry
 
 
@@ -29,7 +33,45 @@ class PlacementPolicy:
         self.registry = registry
         self._pending_tokens: dict[str, int] = defaultdict(int)
         self._pending_blocks: dict[str, int] = defaultdict(int)
+        # (prefill id, its address, decode id, its address) -> why. A worker that restarts comes
+        # back at a new address, so its past failures do not count against it.
+        self._broken: dict[tuple[str, str, str, str], str] = {}
         self._lock = threading.Lock()
+
+    def refusal(self, prefill: Worker, decode: Worker) -> str | None:
+        """Why KV cannot go from `prefill` to `decode` (None: it can)."""
+        broken = self._broken.get(_pair(prefill, decode))
+        if broken is not None:
+            return broken
+        try:
+            choose_transport(prefill.kv_place(), decode.kv_place())
+        except TransportRefused as exc:
+            return str(exc)
+        return None
+
+    def mark_broken(self, prefill: Worker, decode: Worker, reason: str) -> None:
+        """A transfer between the two failed in a way that would repeat."""
+        self._broken[_pair(prefill, decode)] = reason
+
+    def unpairable(self) -> str | None:
+        """When prefill and decode workers exist but no pair of them can move KV: why, naming
+        each pair; else None."""
+        prefills = self.registry.placeable(lambda r: r is Role.PREFILL)
+        decodes = self.registry.placeable(lambda r: r is Role.DECODE)
+        if not prefills or not decodes:
+            return None
+        reasons = []
+        for decode in decodes:
+            for prefill in prefills:
+                reason = self.refusal(prefill, decode)
+                if reason is None:
+                    return None
+                reasons.append(reason)
+        return "no prefill worker can send KV to any decode worker: " + "; ".join(reasons)
+
+    def has_partner(self, decode: Worker) -> bool:
+        return any(self.refusal(p, decode) is None
+                   for p in self.registry.placeable(lambda r: r is Role.PREFILL))
 
     def queued_tokens(self, worker: Worker) -> int:
         return worker.load.queued_prompt_tokens + self._pending_tokens[worker.worker_id]
@@ -38,12 +80,14 @@ class PlacementPolicy:
         return worker.load.free_blocks - self._pending_blocks[worker.worker_id]
 
     def place_prefill(self, prompt_tokens: int, exclude: frozenset[str] = frozenset(),
-                      roles: tuple[Role, ...] = (Role.PREFILL, Role.COLOCATED)
-                      ) -> tuple[Worker, Charge] | None:
-        """The prefill worker with the least queued prompt tokens (ties: fewest running)."""
+                      roles: tuple[Role, ...] = (Role.PREFILL, Role.COLOCATED),
+                      decode: Worker | None = None) -> tuple[Worker, Charge] | None:
+        """The prefill worker with the least queued prompt tokens (ties: fewest running) among
+        those that can send KV to `decode`."""
         with self._lock:
             candidates = [w for w in self.registry.placeable(lambda r: r in roles)
-                          if w.worker_id not in exclude]
+                          if w.worker_id not in exclude
+                          and (decode is None or self.refusal(w, decode) is None)]
             if not candidates:
                 return None
             best = min(candidates, key=lambda w: (self.queued_tokens(w),
@@ -52,16 +96,18 @@ class PlacementPolicy:
             return best, Charge(best.worker_id, prompt_tokens=prompt_tokens)
 
     def place_decode(self, total_tokens: int, exclude: frozenset[str] = frozenset(),
-                     roles: tuple[Role, ...] = (Role.DECODE, Role.COLOCATED)
-                     ) -> tuple[Worker, Charge] | None:
+                     roles: tuple[Role, ...] = (Role.DECODE, Role.COLOCATED),
+                     paired: bool = False) -> tuple[Worker, Charge] | None:
         """The decode worker with the most free blocks among those that can hold
-        `total_tokens` (prompt + max_tokens) of KV; None when none can."""
+        `total_tokens` (prompt + max_tokens) of KV (and, if `paired`, that some prefill worker
+        can send KV to); None when none can."""
         with self._lock:
             fits = []
             for w in self.registry.placeable(lambda r: r in roles):
                 need = -(-total_tokens // w.block_size)
                 if w.worker_id not in exclude and self.free_blocks(w) >= need \
-                        and total_tokens <= w.max_model_len:
+                        and total_tokens <= w.max_model_len \
+                        and (not paired or self.has_partner(w)):
                     fits.append((w, need))
             if not fits:
                 return None
@@ -79,6 +125,10 @@ class PlacementPolicy:
                 del self._pending_tokens[charge.worker_id]
             if self._pending_blocks[charge.worker_id] <= 0:
                 del self._pending_blocks[charge.worker_id]
+
+
+def _pair(prefill: Worker, decode: Worker) -> tuple[str, str, str, str]:
+    return (prefill.worker_id, prefill.address, decode.worker_id, decode.address)
 
 
 class Suspects:

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kv_transfer.selection import KVPlace
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -45,6 +47,13 @@ class Worker:
     last_heartbeat: float = 0.0
     draining: bool = False
     metrics_address: str = ""
+    host_id: str = ""  # where its KV cache lives: picks the KV transport of each pair
+    kv_device: str = "cpu"
+    kv_transport: str = "auto"
+    kv_export_address: str = ""  # decode: its cache's export (shared transport)
+
+    def kv_place(self) -> KVPlace:
+        return KVPlace(self.worker_id, self.host_id, self.kv_device, self.kv_transport)
 
 
 class WorkerRegistry:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from kv_transfer.selection import MODES
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.admission import Admission, LeftQueue, QueueFull
@@ -113,7 +114,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             timings=pb.Timings(
                 queue_s=max(0.0, end.prefill_started - job.arrival),
                 ttft_s=(first_token_time or now) - job.arrival, e2e_s=now - job.arrival,
-                kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes))
+                kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes,
+                kv_transport=end.kv_transport))
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:
@@ -144,7 +146,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 waiting_requests=w.load.waiting_requests,
                 free_blocks=max(0, self.placement.free_blocks(w)),
                 total_blocks=w.load.total_blocks, seconds_since_heartbeat=age,
-                draining=w.draining, metrics_address=w.metrics_address))
+                draining=w.draining, metrics_address=w.metrics_address, host_id=w.host_id,
+                kv_device=w.kv_device, kv_transport=w.kv_transport))
         return pb.ClusterStatus(model=self.frontend.model_name, workers=workers,
                                 queued_requests=self.admission.queued,
                                 running_requests=self.admission.running,
@@ -169,11 +172,17 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
         if not request.worker_id or not request.address or request.block_size < 1:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "worker_id, address and block_size >= 1 are required")
+        if request.kv_transport not in ("", *MODES):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
+                          f"{', '.join(MODES)}, got {request.kv_transport!r}")
         self.registry.register(Worker(
             worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
             address=request.address, block_size=request.block_size,
             max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
-            load=_load(request.load), metrics_address=request.metrics_address))
+            load=_load(request.load), metrics_address=request.metrics_address,
+            host_id=request.host_id, kv_device=request.kv_device or "cpu",
+            kv_transport=request.kv_transport or "auto",
+            kv_export_address=request.kv_export_address))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext

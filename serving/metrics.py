@@ -80,13 +80,15 @@ class WorkerMetrics:
                                   "status code", ["role", "method", "code"],
                                   registry=self.registry)
         self.kv_transfer_bytes = Counter("pdserve_worker_kv_transfer_bytes", "KV bytes sent "
-                                         "or received", ["role", "direction"],
+                                         "or received, by transport (shared, dist)",
+                                         ["role", "direction", "transport"],
                                          registry=self.registry)
         self.kv_transfer_seconds = Counter("pdserve_worker_kv_transfer_seconds", "Seconds "
-                                           "spent moving KV", ["role", "direction"],
+                                           "spent moving KV", ["role", "direction", "transport"],
                                            registry=self.registry)
         self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "KV "
-                                            "transfers that failed", ["role", "direction"],
+                                            "transfers that failed", ["role", "direction",
+                                                                      "transport"],
                                             registry=self.registry)
         self._last_output: dict[str, float] = {}
         self.http_port = 0
@@ -125,12 +127,12 @@ class WorkerMetrics:
         """The request left without finishing (aborted, detached, failed)."""
         self._last_output.pop(request_id, None)
 
-    def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
-        self.kv_transfer_bytes.labels(self.role, direction).inc(num_bytes)
-        self.kv_transfer_seconds.labels(self.role, direction).inc(seconds)
+    def transfer(self, direction: str, num_bytes: int, seconds: float, transport: str) -> None:
+        self.kv_transfer_bytes.labels(self.role, direction, transport).inc(num_bytes)
+        self.kv_transfer_seconds.labels(self.role, direction, transport).inc(seconds)
 
-    def transfer_failed(self, direction: str) -> None:
-        self.kv_transfer_failures.labels(self.role, direction).inc()
+    def transfer_failed(self, direction: str, transport: str) -> None:
+        self.kv_transfer_failures.labels(self.role, direction, transport).inc()
 
     def reject(self, method: str, code: str) -> None:
         self.rejections.labels(self.role, method, code).inc()

@@ -28,6 +28,8 @@ class WorkerOptions:
     grace_s: float = 30.0  # drain: accepted work allowed to finish after SIGTERM
     metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
+    kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
+    gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -43,8 +45,14 @@ class WorkerOptions:
                              f"{self.max_queued_requests}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.kv_transport not in ("auto", "shared", "dist"):
+            raise ValueError(f"--kv-transport must be auto, shared or dist, got "
+                             f"{self.kv_transport!r}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if not 0 < self.gpu_memory_fraction <= 0.95:
+            raise ValueError(f"--gpu-memory-fraction must be in (0, 0.95], got "
+                             f"{self.gpu_memory_fraction}")
         for name in ("connect_timeout_s", "transfer_timeout_s", "lease_s", "grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -69,7 +77,6 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--advertise-host", default=None)
     parser.add_argument("--model", default="default", help="'default' or a local HF directory")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
@@ -81,6 +88,11 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port (0: any free port, shown at start)")
     parser.add_argument("--max-queued-requests", type=int, default=1024)
+    parser.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
+                        help="how KV moves between prefill and decode workers: shared (one-sided "
+                             "writes into the peer's cache, same host only), dist (torch."
+                             "distributed pair groups), auto (shared on one host, else dist)")
+    _add_device_args(parser)
     args = parser.parse_args(argv)
     if getattr(args, "colocated", False):
         role = "colocated"
@@ -90,4 +102,12 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
-        metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests)
+        metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
+        kv_transport=args.kv_transport, gpu_memory_fraction=args.gpu_memory_fraction)
+
+
+def _add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                        help="CUDA: share of the GPU's total memory this worker may use (weights "
+                             "+ activations + KV cache; the KV cache gets what is left)")

@@ -13,6 +13,7 @@ import grpc
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from kv_transfer import device_identity, local_host_id
 from pdserve_proto import pdserve_pb2 as pb
 from serving.gate import Gate
 from serving.grpc_server import Server, start_server
@@ -41,7 +42,7 @@ class WorkerRole:
     transfers."""
 
     def __init__(self, worker: ServedWorker, service_names: list[str], transfer_host: str,
-                 add_servicer: Callable[[grpc.Server], None]):
+                 add_servicer: Callable[[grpc.Server], None], kv_export_address: str = ""):
         self.worker = worker
         self.loop = worker.loop
         self.metrics = worker.metrics
@@ -49,6 +50,7 @@ class WorkerRole:
         self.service_names = service_names
         self.transfer_host = transfer_host
         self.add_to_server = add_servicer
+        self.kv_export_address = kv_export_address  # decode: where same-host writers map its KV
 
     def in_flight(self) -> int:
         return self.worker.in_flight()
@@ -70,21 +72,31 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
     import torch
 
     torch.set_num_threads(options.threads)  # workers share the machine's cores
-    cache = CacheConfig(kv_cache_gb=options.kv_cache_gb)
+    cache = CacheConfig(kv_cache_gb=options.kv_cache_gb, shareable=exports_kv_cache(options),
+                        gpu_memory_fraction=options.gpu_memory_fraction)
     scheduler = (SchedulerConfig(max_num_batched_tokens=options.max_num_batched_tokens)
                  if options.max_num_batched_tokens else SchedulerConfig())
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                                   scheduler=scheduler, device=options.device))
 
 
+def exports_kv_cache(options: WorkerOptions) -> bool:
+    """A decode worker that same-host prefill workers may write into (the shared transport)."""
+    return options.role == "decode" and options.kv_transport != "dist"
+
+
 def registration(options: WorkerOptions, role: WorkerRole, address: str,
                  metrics_address: str, model_name: str) -> pb.RegisterRequest:
+    import torch
+
     engine = role.loop.engine
     return pb.RegisterRequest(
         worker_id=options.worker_id, role=ROLES[options.role], address=address,
         model=model_name, block_size=engine.block_manager.block_size,
         max_model_len=engine.max_model_len, kv_transfer_host=role.transfer_host,
-        load=load_to_proto(role.loop.load), metrics_address=metrics_address)
+        load=load_to_proto(role.loop.load), metrics_address=metrics_address,
+        host_id=local_host_id(), kv_device=device_identity(torch.device(options.device)),
+        kv_transport=options.kv_transport, kv_export_address=role.kv_export_address)
 
 
 class ServingWorker:

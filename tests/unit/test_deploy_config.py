@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deploy.config import ConfigError, DeployConfig
+from serving.options import WorkerOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,6 +27,30 @@ def test_defaults_and_gpu_bundles():
                                                    "decode-2"]
     assert config.workers.bundle == {"CPU": 1, "GPU": 1}
     assert config.placement.strategy == "PACK"
+
+
+def test_workers_sharing_gpus():
+    config = DeployConfig.from_dict({"workers": {"device": "cuda", "gpus_per_worker": 0.5,
+                                                 "kv_transport": "shared"}})
+    assert config.workers.bundle == {"CPU": 1, "GPU": 0.5}
+    assert config.workers.num_gpus == 0.5
+    engine = config.worker_engine()
+    assert (engine["device"], engine["gpu_memory_fraction"], engine["kv_transport"]) == (
+        "cuda", 0.45, "shared")
+    assert WorkerOptions(role="decode", router="h:1", **engine).gpu_memory_fraction == 0.45
+    explicit = DeployConfig.from_dict({"workers": {"device": "cuda", "gpus_per_worker": 0.25,
+                                                   "gpu_memory_fraction": 0.2}})
+    assert explicit.worker_engine()["gpu_memory_fraction"] == 0.2
+    whole = DeployConfig.from_dict({"workers": {"device": "cuda", "kv_transport": "dist"}})
+    assert (whole.workers.num_gpus, whole.worker_engine()["gpu_memory_fraction"]) == (1.0, 0.9)
+
+
+def test_cpu_workers_get_no_gpu_keys():
+    config = DeployConfig.from_dict({"model": {"kv_cache_gb": 0.5}})
+    assert config.worker_engine() == {
+        "model": "default", "dtype": None, "kv_cache_gb": 0.5, "max_num_batched_tokens": None,
+        "device": "cpu", "threads": 1, "kv_transport": "auto"}
+    assert config.workers.num_gpus == 0
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -47,6 +72,23 @@ def test_defaults_and_gpu_bundles():
     ({"model": {"kv_cache_gb": -1}}, "model.kv_cache_gb must be in"),
     ({"model": {"path": "/no/such/model"}}, "model.path '/no/such/model' is not a local model"),
     ({"name": "a b"}, "name must be letters"),
+    ({"workers": {"gpus_per_worker": 0.5}}, "workers.gpus_per_worker needs workers.device: cuda"),
+    ({"workers": {"gpu_memory_fraction": 0.4}},
+     "workers.gpu_memory_fraction needs workers.device: cuda"),
+    ({"workers": {"device": "cuda", "gpus_per_worker": 0}},
+     "workers.gpus_per_worker must be in \\(0, 1\\], got 0.0"),
+    ({"workers": {"device": "cuda", "gpus_per_worker": 1.5}},
+     "workers.gpus_per_worker must be in \\(0, 1\\]"),
+    ({"workers": {"device": "cuda", "gpus_per_worker": "half"}},
+     "workers.gpus_per_worker must be float or null, got 'half'"),
+    ({"workers": {"device": "cuda", "gpu_memory_fraction": 0.99}},
+     "workers.gpu_memory_fraction must be in \\(0, 0.95\\]"),
+    ({"workers": {"device": "cuda", "gpus_per_worker": 0.5, "gpu_memory_fraction": 0.6}},
+     "workers.gpu_memory_fraction 0.6 x 2 workers on one GPU \\(gpus_per_worker 0.5\\)"),
+    ({"workers": {"kv_transport": "nccl"}},
+     "workers.kv_transport must be one of auto, shared, dist"),
+    ({"workers": {"device": "cuda", "gpus_per_worker": 0.5, "kv_transport": "dist"}},
+     "workers.kv_transport dist needs a whole GPU per worker"),
 ])
 def test_mistakes_are_errors_naming_the_key(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,348 @@
+"""The shared transport: one-sided copies into a peer's KV cache on the same host.
+
+Protocol (decode worker D exports, prefill worker P writes):
+1. D allocates its whole cache as one buffer (engine.kv_memory: a memfd on CPU, any CUDA
+   allocation on a GPU) and listens on a Unix socket with an abstract name (no file to leak; it
+   vanishes with the process), which its registration carries as `kv_export_address`.
+2. P connects once per D (a *mapping*): it sends its worker id; D answers with a header (mapping
+   id, layout, dtype, device) and the cache itself — the memfd as an SCM_RIGHTS file descriptor,
+   or the CUDA IPC handle torch.multiprocessing builds. P maps it; no staging buffer, no NCCL, no
+   per-pair rendezvous. Only a process of the same user may connect (SO_PEERCRED).
+3. Per request: P asks D to admit a write into the request's reserved blocks (the ReceiveKV RPC
+   with transport "shared" and the mapping id); D marks the reservation as being written by that
+   mapping. P copies the blocks (contiguous runs of block ids, all layers per run, device to device
+   on GPUs), waits for the copy to complete, then reports the end (FinishKV).
+4. The mapping's socket stays open while P may write through it: that is D's liveness signal. P
+   closes it only when none of its writes through the mapping is in flight; if P dies the kernel
+   closes it. Either way D then ends every write that mapping had begun as failed and frees the
+   blocks — never before (decode_worker.reservations states and enforces the invariant).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import mmap
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_memory import KVBuffer
+from kv_transfer.errors import TransferError, TransferStats
+
+log = logging.getLogger(__name__)
+HANDSHAKE_TIMEOUT_S = 5.0
+_LENGTH = struct.Struct("!I")
+
+
+def device_identity(device: torch.device) -> str:
+    """"cpu", or "cuda:<GPU UUID>" (stable across processes, whatever their device numbering)."""
+    if device.type != "cuda":
+        return "cpu"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{torch.cuda.get_device_properties(index).uuid}"
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) of the maximal runs where both id lists advance by one."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
+                dst_ids: Sequence[int]) -> int:
+    """Copy blocks between whole caches ([layers, 2, blocks, ...]) and wait until the copy is
+    complete; returns the bytes copied."""
+    for s, d, n in block_runs(src_ids, dst_ids):
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
+    for device in {src.device, dst.device}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    per_block = src[:, :, 0].numel() * src.element_size()
+    return per_block * len(src_ids)
+
+
+# ---- decode side ---------------------------------------------------------------------------
+
+class KVExporter:
+    """Exports this worker's cache to writers on this host; tells `on_gone(writer_key)` when a
+    writer's mapping closes (the writer let go of it, or died)."""
+
+    def __init__(self, worker_id: str, buffer: KVBuffer, on_gone: Callable[[str], None]):
+        if buffer.tensor.device.type == "cpu" and buffer.fd is None:
+            raise ValueError("a CPU KV cache must be allocated shareable to be exported")
+        self.buffer = buffer
+        self.on_gone = on_gone
+        self.name = f"pdserve-kv-{worker_id}-{secrets.token_hex(4)}"
+        self.address = f"@{self.name}"  # "@": an abstract socket name, as `ss` shows it
+        self.device = device_identity(buffer.tensor.device)
+        self._ids = itertools.count(1)
+        self._live: dict[int, str] = {}  # mapping id -> writer key
+        self._lock = threading.Lock()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self.name)
+        self._listener.listen(64)
+        self._closed = False
+        threading.Thread(target=self._accept, name="kv-export", daemon=True).start()
+
+    def writer_key(self, mapping_id: int) -> str | None:
+        """The key of a live mapping (None once it closed)."""
+        with self._lock:
+            return self._live.get(mapping_id)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="kv-export-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        mapping_id, key = next(self._ids), ""
+        try:
+            with conn:
+                _check_same_user(conn)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                writer = json.loads(_recv_frame(conn))["writer"]
+                key = f"{writer}#{mapping_id}"
+                with self._lock:
+                    self._live[mapping_id] = key
+                self._send_export(conn, mapping_id)
+                conn.settimeout(None)
+                while conn.recv(4096):  # the writer sends nothing more: wait for its close
+                    pass
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("KV export mapping %s ended: %s", key or mapping_id, exc)
+        finally:
+            with self._lock:
+                self._live.pop(mapping_id, None)
+            if key:
+                self.on_gone(key)
+
+    def _send_export(self, conn: socket.socket, mapping_id: int) -> None:
+        tensor = self.buffer.tensor
+        header = {"mapping_id": mapping_id, "shape": list(tensor.shape),
+                  "dtype": str(tensor.dtype).removeprefix("torch."), "device": self.device}
+        if tensor.device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            header["kind"], payload = "cuda-ipc", pickle.dumps(reduce_tensor(tensor))
+            _send_frame(conn, json.dumps(header).encode())
+            _send_frame(conn, payload)
+        else:
+            header["kind"], header["num_bytes"] = "cpu-memfd", self.buffer.num_bytes
+            body = json.dumps(header).encode()
+            socket.send_fds(conn, [_LENGTH.pack(len(body))], [self.buffer.fd])
+            conn.sendall(body)
+
+
+# ---- prefill side --------------------------------------------------------------------------
+
+@dataclass
+class PeerMapping:
+    """A live mapping of one decode worker's cache."""
+
+    address: str
+    mapping_id: int
+    cache: torch.Tensor  # the peer's whole cache, [layers, 2, blocks, block_size, n_kv, d]
+    conn: socket.socket
+    keep: object = None  # what keeps the memory mapped (the mmap of a CPU cache)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
+
+    def alive(self) -> bool:
+        """False once the peer closed its end (it died or stopped exporting)."""
+        try:
+            return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+
+# Admits the write (ReceiveKV) for a mapping id; raises TransferError when refused.
+BeginWrite = Callable[[int], None]
+# Reports the end (FinishKV): ok, bytes, seconds -> whether the decode side still holds it.
+FinishWrite = Callable[[bool, int, float], bool]
+
+
+class SharedSender:
+    """Prefill side: one mapping per decode worker's export, one write at a time through it."""
+
+    def __init__(self, worker_id: str, timeout_s: float):
+        self.worker_id = worker_id
+        self.timeout_s = timeout_s
+        self._mappings: dict[str, PeerMapping] = {}
+        self._lock = threading.Lock()
+
+    def send(self, receiver_id: str, address: str, src: torch.Tensor, src_ids: Sequence[int],
+             dst_ids: Sequence[int], begin: BeginWrite, finish: FinishWrite) -> TransferStats:
+        mapping = self._mapping(receiver_id, address, src)
+        with mapping.lock:
+            try:
+                begin(mapping.mapping_id)
+            except TransferError:
+                if not mapping.alive():
+                    self._drop(mapping)
+                raise
+            start = time.perf_counter()
+            try:
+                num_bytes = copy_blocks(src, src_ids, mapping.cache, dst_ids)
+            except Exception as exc:  # noqa: BLE001 - any copy failure ends the write
+                self._end_failed(mapping, finish)
+                raise TransferError(f"copying KV into {receiver_id}'s cache: {exc}") from exc
+            seconds = time.perf_counter() - start
+            try:
+                held = finish(True, num_bytes, seconds)
+            except TransferError:
+                self._drop(mapping)  # closing the mapping is how D learns the write ended
+                raise
+        if not held:
+            raise TransferError(f"{receiver_id} dropped the request during the write")
+        return TransferStats(num_bytes, seconds, "shared")
+
+    def _end_failed(self, mapping: PeerMapping, finish: FinishWrite) -> None:
+        try:
+            finish(False, 0, 0.0)
+        except TransferError:
+            self._drop(mapping)
+
+    def _mapping(self, receiver_id: str, address: str, like: torch.Tensor) -> PeerMapping:
+        with self._lock:
+            mapping = self._mappings.get(address)
+            if mapping is not None and mapping.alive():
+                return mapping
+            if mapping is not None:
+                self._close(mapping)
+            try:
+                mapping = _map_peer(self.worker_id, address, like, self.timeout_s)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise TransferError(f"cannot map {receiver_id}'s KV cache at {address}: {exc}",
+                                    permanent=True) from exc
+            self._mappings[address] = mapping
+            return mapping
+
+    def _drop(self, mapping: PeerMapping) -> None:
+        with self._lock:
+            if self._mappings.get(mapping.address) is mapping:
+                del self._mappings[mapping.address]
+        self._close(mapping)
+
+    @staticmethod
+    def _close(mapping: PeerMapping) -> None:
+        try:
+            mapping.conn.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            mappings, self._mappings = list(self._mappings.values()), {}
+        for mapping in mappings:
+            with mapping.lock:  # never close under a write in flight
+                self._close(mapping)
+
+
+def _map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
+              ) -> PeerMapping:
+    """Connect to a decode worker's export and map its cache (checked against ours: same layer
+    count, block size, heads, head size and dtype)."""
+    if not address.startswith("@"):
+        raise ValueError(f"not an abstract Unix socket name: {address!r}")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+        conn.connect("\0" + address[1:])
+        _send_frame(conn, json.dumps({"writer": worker_id}).encode())
+        header, fds = _recv_header(conn)
+        cache, keep = _open_cache(header, fds, conn)
+        conn.settimeout(None)
+    except BaseException:
+        conn.close()
+        raise
+    if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
+            or cache.shape[3:] != like.shape[3:]:
+        conn.close()
+        raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
+                         f"{tuple(like.shape)} {like.dtype}: the layouts differ")
+    return PeerMapping(address, int(header["mapping_id"]), cache, conn, keep)
+
+
+def _open_cache(header: dict, fds: list[int], conn: socket.socket
+                ) -> tuple[torch.Tensor, object]:
+    dtype = getattr(torch, header["dtype"])
+    shape = tuple(header["shape"])
+    if header["kind"] == "cpu-memfd":
+        if len(fds) != 1:
+            raise ValueError(f"expected the cache's file descriptor, got {len(fds)}")
+        try:
+            # MAP_POPULATE: map every page now, not one fault at a time inside the first writes.
+            mapped = mmap.mmap(fds[0], int(header["num_bytes"]),
+                               flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fds[0])  # the mapping keeps the memory
+        return torch.frombuffer(mapped, dtype=dtype).view(shape), mapped
+    if header["kind"] == "cuda-ipc":
+        rebuild, args = pickle.loads(_recv_frame(conn))  # noqa: S301 - a same-user peer
+        cache = rebuild(*args)
+        if device_identity(cache.device) != header["device"]:
+            raise ValueError(f"the peer's GPU {header['device']} opened as "
+                             f"{device_identity(cache.device)} here (device numbering differs)")
+        return cache, None
+    raise ValueError(f"unknown export kind {header['kind']!r}")
+
+
+def _check_same_user(conn: socket.socket) -> None:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise ValueError(f"a process of uid {uid} asked for the KV cache: refused")
+
+
+def _send_frame(conn: socket.socket, body: bytes) -> None:
+    conn.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ValueError("the peer closed the connection mid-message")
+        data += chunk
+    return bytes(data)
+
+
+def _recv_frame(conn: socket.socket) -> bytes:
+    (length,) = _LENGTH.unpack(_recv_exact(conn, _LENGTH.size))
+    return _recv_exact(conn, length)
+
+
+def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The header frame, with any file descriptors sent alongside its length."""
+    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1)
+    if len(prefix) < _LENGTH.size:
+        prefix += _recv_exact(conn, _LENGTH.size - len(prefix))
+    (length,) = _LENGTH.unpack(prefix)
+    return json.loads(_recv_exact(conn, length)), list(fds)

@@ -1,0 +1,86 @@
+"""The shared transport between real processes: a decode-side process exports its cache (a memfd
+over a Unix socket), a prefill-side process maps it once and copies blocks straight into the
+destination ids. A writer killed mid-write closes its mapping (the exporter learns it), and a
+writer whose peer died fails cleanly without writing."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+import torch
+
+from kv_transfer.shared import block_runs, copy_blocks
+from tests.cluster import shared_peers
+
+pytestmark = pytest.mark.slow
+
+
+def start_exporter():
+    ctx = mp.get_context("spawn")
+    queue, commands = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=shared_peers.exporter, args=(queue, commands), daemon=True)
+    proc.start()
+    kind, address = queue.get(timeout=60)
+    assert kind == "address" and address.startswith("@pdserve-kv-decode-t-")
+    return ctx, proc, queue, commands, address
+
+
+def test_block_runs_and_copy_between_caches():
+    assert block_runs([3, 4, 5, 9, 1], [10, 11, 12, 2, 0]) == [(3, 10, 3), (9, 2, 1), (1, 0, 1)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError):
+        block_runs([1], [1, 2])
+    src = shared_peers.source_cache()
+    dst = torch.zeros_like(src)
+    n = copy_blocks(src, shared_peers.SRC_BLOCKS, dst, shared_peers.DST_BLOCKS)
+    assert torch.equal(dst[:, :, shared_peers.DST_BLOCKS], shared_peers.expected_blocks())
+    assert n == 5 * src[:, :, 0].numel() * 4
+
+
+def test_blocks_land_at_the_receivers_ids_and_nowhere_else():
+    ctx, proc, queue, commands, address = start_exporter()
+    writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["write", "write"]))
+    writer.start()
+    events = [queue.get(timeout=60) for _ in range(6)]
+    writer.join(30)
+    assert [e[0] for e in events if e[0] != "gone"][:6] == \
+        ["began", "finished", "sent", "began", "finished", "sent"][:len(events)]
+    sent = [e for e in events if e[0] == "sent"]
+    assert sent and all(e[2] == "shared" for e in sent)
+    began = [e[1] for e in events if e[0] == "began"]
+    assert len(set(began)) == 1, "the cache was mapped more than once"
+    commands.put("check")
+    kind, blocks, rest_zero = next(e for e in iter(lambda: queue.get(timeout=30), None)
+                                   if e[0] == "blocks")
+    assert torch.equal(blocks, shared_peers.expected_blocks())
+    assert rest_zero, "a block outside the destination ids was written"
+    commands.put("stop")
+    proc.join(30)
+
+
+def test_a_writer_killed_mid_write_closes_its_mapping():
+    ctx, proc, queue, commands, address = start_exporter()
+    writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["hang"]))
+    writer.start()
+    kind, mapping_id = queue.get(timeout=60)
+    assert kind == "began"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join(30)
+    kind, key = queue.get(timeout=30)
+    assert (kind, key) == ("gone", f"prefill-t#{mapping_id}")
+    commands.put("stop")
+    proc.join(30)
+
+
+def test_a_dead_exporter_fails_the_next_write_without_writing():
+    ctx, proc, queue, commands, address = start_exporter()
+    commands.put("stop")  # the decode side goes away before the prefill side maps it
+    proc.join(30)
+    writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["write"]))
+    writer.start()
+    kind, message, permanent = queue.get(timeout=60)
+    writer.join(30)
+    assert kind == "error" and "cannot map" in message and permanent

@@ -1,0 +1,102 @@
+"""The reservation table's safety rule for one-sided writes, without a model: a reservation's
+blocks are released only when no write into them can still land. Each race is injected by hand,
+in a fixed order, against a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode_worker.reservations import LeaseState, ReservationTable
+from engine.request import Request, SamplingParams
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make() -> tuple[ReservationTable, list[str], Clock]:
+    released: list[str] = []
+    clock = Clock()
+    table = ReservationTable(release=lambda r: released.append(r.request_id), clock=clock)
+    return table, released, clock
+
+
+def reserve(table: ReservationTable, rid: str, lease_s: float = 5.0) -> Request:
+    request = Request(rid, [1, 2, 3], SamplingParams(max_tokens=4))
+    table.add(request, lease_s)
+    return request
+
+
+def test_abort_during_a_write_waits_for_the_writer_then_frees():
+    table, released, _ = make()
+    reserve(table, "r1")
+    table.begin_receive("r1", writer="prefill-0#1")
+    assert table.abort("r1")  # the router gave up on the request mid-write
+    assert released == [], "blocks freed while the writer may still write into them"
+    assert table.writer_of("r1") == "prefill-0#1"
+    assert table.end_receive("r1", ok=True) is False  # the write ended: now they go
+    assert released == ["r1"] and "r1" not in table
+
+
+def test_lease_expiry_during_a_write_does_not_free_and_restarts_after_it():
+    table, released, clock = make()
+    reserve(table, "r1", lease_s=5.0)
+    table.begin_receive("r1", writer="prefill-0#1")
+    clock.now = 60.0  # far past the lease while the write is in flight
+    assert table.expire() == [] and released == []
+    assert table.end_receive("r1", ok=True) is True  # KV complete: the lease starts again
+    clock.now = 64.0
+    assert table.expire() == []
+    clock.now = 65.5
+    assert table.expire() == ["r1"] and released == ["r1"]
+
+
+def test_a_dead_writer_ends_only_its_own_writes():
+    table, released, _ = make()
+    for rid in ("a", "b", "c", "d"):
+        reserve(table, rid)
+    table.begin_receive("a", writer="prefill-0#1")
+    table.begin_receive("b", writer="prefill-0#1")
+    table.begin_receive("c", writer="prefill-1#2")  # another writer's write goes on
+    assert table.writer_gone("prefill-0#1") == ["a", "b"]
+    assert released == ["a", "b"]
+    assert table.writer_of("c") == "prefill-1#2" and "d" in table
+    assert table.writer_gone("prefill-0#1") == []  # a second close changes nothing
+    assert table.writer_gone("") == []  # our own receives are never ended this way
+
+
+def test_a_write_cannot_begin_on_blocks_that_are_not_reserved_now():
+    table, released, clock = make()
+    reserve(table, "r1", lease_s=1.0)
+    clock.now = 2.0
+    assert table.expire() == ["r1"]
+    with pytest.raises(KeyError):  # the lease ran out first: the writer must not write
+        table.begin_receive("r1", writer="prefill-0#1")
+    reserve(table, "r2")
+    table.abort("r2")
+    with pytest.raises(KeyError):
+        table.begin_receive("r2", writer="prefill-0#1")
+    reserve(table, "r3")
+    table.begin_receive("r3", writer="prefill-0#1")
+    with pytest.raises(KeyError):  # one writer at a time
+        table.begin_receive("r3", writer="prefill-1#2")
+    assert table.writer_of("r3") == "prefill-0#1"
+
+
+def test_a_failed_write_frees_and_a_ready_reservation_is_taken_once():
+    table, released, _ = make()
+    reserve(table, "bad")
+    table.begin_receive("bad", writer="w#1")
+    assert table.end_receive("bad", ok=False) is False and released == ["bad"]
+    reserve(table, "good")
+    table.begin_receive("good", writer="w#1")
+    assert table.end_receive("good", ok=True)
+    assert table.writer_of("good") is None  # READY: no write can land any more
+    assert table.writer_gone("w#1") == []  # the mapping closing later frees nothing ready
+    assert table.take_ready("good").request_id == "good"
+    assert "good" not in table and released == ["bad"]
+    assert LeaseState.READY.value == "ready"
