@@ -5,6 +5,7 @@ the blocks only after the decode worker acknowledges."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -149,7 +150,11 @@ class PrefillWorker:
             if request.request_id in self.cancelled:
                 raise RuntimeError(f"request {request.request_id} aborted before its KV was sent")
             transport = self.transport_for(target)
-            stats = self._send(plan, transport)
+            started = time.perf_counter()
+            sent = self._send(plan, transport)
+            # The whole hand-over counts (control RPCs, packing, the wait for the decode side's
+            # acknowledgement), not only the bytes' flight: it is what the request waits for.
+            stats = TransferStats(sent.num_bytes, time.perf_counter() - started, sent.transport)
             self.metrics.transfer("sent", stats.num_bytes, stats.seconds, stats.transport)
             done.set_result(self._result(first, stats))
         except Exception as exc:
