@@ -23,25 +23,26 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import mmap
-import os
-import pickle
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv_memory import KVBuffer
 from kv_transfer.errors import TransferError, TransferStats
+from kv_transfer.shared_socket import (
+    HANDSHAKE_TIMEOUT_S,
+    PeerMapping,
+    check_same_user,
+    map_peer,
+    recv_frame,
+    send_cache,
+)
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT_S = 5.0
-_LENGTH = struct.Struct("!I")
 
 
 def device_identity(device: torch.device) -> str:
@@ -123,13 +124,14 @@ class KVExporter:
         mapping_id, key = next(self._ids), ""
         try:
             with conn:
-                _check_same_user(conn)
+                check_same_user(conn)
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                writer = json.loads(_recv_frame(conn))["writer"]
+                writer = json.loads(recv_frame(conn))["writer"]
                 key = f"{writer}#{mapping_id}"
                 with self._lock:
                     self._live[mapping_id] = key
-                self._send_export(conn, mapping_id)
+                send_cache(conn, mapping_id, self.buffer.tensor, self.device, self.buffer.fd,
+                           self.buffer.num_bytes)
                 conn.settimeout(None)
                 while conn.recv(4096):  # the writer sends nothing more: wait for its close
                     pass
@@ -141,45 +143,9 @@ class KVExporter:
             if key:
                 self.on_gone(key)
 
-    def _send_export(self, conn: socket.socket, mapping_id: int) -> None:
-        tensor = self.buffer.tensor
-        header = {"mapping_id": mapping_id, "shape": list(tensor.shape),
-                  "dtype": str(tensor.dtype).removeprefix("torch."), "device": self.device}
-        if tensor.device.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            header["kind"], payload = "cuda-ipc", pickle.dumps(reduce_tensor(tensor))
-            _send_frame(conn, json.dumps(header).encode())
-            _send_frame(conn, payload)
-        else:
-            header["kind"], header["num_bytes"] = "cpu-memfd", self.buffer.num_bytes
-            body = json.dumps(header).encode()
-            socket.send_fds(conn, [_LENGTH.pack(len(body))], [self.buffer.fd])
-            conn.sendall(body)
 
 
 # ---- prefill side --------------------------------------------------------------------------
-
-@dataclass
-class PeerMapping:
-    """A live mapping of one decode worker's cache."""
-
-    address: str
-    mapping_id: int
-    cache: torch.Tensor  # the peer's whole cache, [layers, 2, blocks, block_size, n_kv, d]
-    conn: socket.socket
-    keep: object = None  # what keeps the memory mapped (the mmap of a CPU cache)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
-
-    def alive(self) -> bool:
-        """False once the peer closed its end (it died or stopped exporting)."""
-        try:
-            return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-
 
 # Admits the write (ReceiveKV) for a mapping id; raises TransferError when refused.
 BeginWrite = Callable[[int], None]
@@ -190,9 +156,10 @@ FinishWrite = Callable[[bool, int, float], bool]
 class SharedSender:
     """Prefill side: one mapping per decode worker's export, one write at a time through it."""
 
-    def __init__(self, worker_id: str, timeout_s: float):
+    def __init__(self, worker_id: str, timeout_s: float, pause_in_write_s: float = 0.0):
         self.worker_id = worker_id
         self.timeout_s = timeout_s
+        self.pause_in_write_s = pause_in_write_s  # fault injection (tests): a slow writer
         self._mappings: dict[str, PeerMapping] = {}
         self._lock = threading.Lock()
 
@@ -206,6 +173,10 @@ class SharedSender:
                 if not mapping.alive():
                     self._drop(mapping)
                 raise
+            if self.pause_in_write_s:
+                log.warning("fault injection: pausing %.1fs inside the write",
+                            self.pause_in_write_s)
+                time.sleep(self.pause_in_write_s)
             start = time.perf_counter()
             try:
                 num_bytes = copy_blocks(src, src_ids, mapping.cache, dst_ids)
@@ -229,19 +200,26 @@ class SharedSender:
             self._drop(mapping)
 
     def _mapping(self, receiver_id: str, address: str, like: torch.Tensor) -> PeerMapping:
+        self._prune()
         with self._lock:
             mapping = self._mappings.get(address)
-            if mapping is not None and mapping.alive():
-                return mapping
             if mapping is not None:
-                self._close(mapping)
+                return mapping
             try:
-                mapping = _map_peer(self.worker_id, address, like, self.timeout_s)
+                mapping = map_peer(self.worker_id, address, like, self.timeout_s)
             except (OSError, ValueError, RuntimeError) as exc:
                 raise TransferError(f"cannot map {receiver_id}'s KV cache at {address}: {exc}",
                                     permanent=True) from exc
             self._mappings[address] = mapping
             return mapping
+
+    def _prune(self) -> None:
+        """Let go of the caches of peers that are gone (their memory stays mapped until then)."""
+        with self._lock:
+            dead = [m for m in self._mappings.values() if not m.alive()]
+        for mapping in dead:
+            with mapping.lock:
+                self._drop(mapping)
 
     def _drop(self, mapping: PeerMapping) -> None:
         with self._lock:
@@ -262,87 +240,3 @@ class SharedSender:
         for mapping in mappings:
             with mapping.lock:  # never close under a write in flight
                 self._close(mapping)
-
-
-def _map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
-              ) -> PeerMapping:
-    """Connect to a decode worker's export and map its cache (checked against ours: same layer
-    count, block size, heads, head size and dtype)."""
-    if not address.startswith("@"):
-        raise ValueError(f"not an abstract Unix socket name: {address!r}")
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
-        conn.connect("\0" + address[1:])
-        _send_frame(conn, json.dumps({"writer": worker_id}).encode())
-        header, fds = _recv_header(conn)
-        cache, keep = _open_cache(header, fds, conn)
-        conn.settimeout(None)
-    except BaseException:
-        conn.close()
-        raise
-    if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
-            or cache.shape[3:] != like.shape[3:]:
-        conn.close()
-        raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
-                         f"{tuple(like.shape)} {like.dtype}: the layouts differ")
-    return PeerMapping(address, int(header["mapping_id"]), cache, conn, keep)
-
-
-def _open_cache(header: dict, fds: list[int], conn: socket.socket
-                ) -> tuple[torch.Tensor, object]:
-    dtype = getattr(torch, header["dtype"])
-    shape = tuple(header["shape"])
-    if header["kind"] == "cpu-memfd":
-        if len(fds) != 1:
-            raise ValueError(f"expected the cache's file descriptor, got {len(fds)}")
-        try:
-            # MAP_POPULATE: map every page now, not one fault at a time inside the first writes.
-            mapped = mmap.mmap(fds[0], int(header["num_bytes"]),
-                               flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fds[0])  # the mapping keeps the memory
-        return torch.frombuffer(mapped, dtype=dtype).view(shape), mapped
-    if header["kind"] == "cuda-ipc":
-        rebuild, args = pickle.loads(_recv_frame(conn))  # noqa: S301 - a same-user peer
-        cache = rebuild(*args)
-        if device_identity(cache.device) != header["device"]:
-            raise ValueError(f"the peer's GPU {header['device']} opened as "
-                             f"{device_identity(cache.device)} here (device numbering differs)")
-        return cache, None
-    raise ValueError(f"unknown export kind {header['kind']!r}")
-
-
-def _check_same_user(conn: socket.socket) -> None:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    if uid != os.getuid():
-        raise ValueError(f"a process of uid {uid} asked for the KV cache: refused")
-
-
-def _send_frame(conn: socket.socket, body: bytes) -> None:
-    conn.sendall(_LENGTH.pack(len(body)) + body)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ValueError("the peer closed the connection mid-message")
-        data += chunk
-    return bytes(data)
-
-
-def _recv_frame(conn: socket.socket) -> bytes:
-    (length,) = _LENGTH.unpack(_recv_exact(conn, _LENGTH.size))
-    return _recv_exact(conn, length)
-
-
-def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
-    """The header frame, with any file descriptors sent alongside its length."""
-    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1)
-    if len(prefix) < _LENGTH.size:
-        prefix += _recv_exact(conn, _LENGTH.size - len(prefix))
-    (length,) = _LENGTH.unpack(prefix)
-    return json.loads(_recv_exact(conn, length)), list(fds)

@@ -91,7 +91,8 @@ class PrefillWorker:
         device = torch.device(options.device)
         self.sender = KVSender(options.worker_id, options.host, device,
                                options.transfer_timeout_s)
-        self.shared = SharedSender(options.worker_id, options.transfer_timeout_s)
+        self.shared = SharedSender(options.worker_id, options.transfer_timeout_s,
+                                   options.fault_kv_write_pause_s)
         self.place = KVPlace(options.worker_id, local_host_id(), device_identity(device),
                              options.kv_transport)
         self.unmappable: set[str] = set()  # exports that cannot be mapped from here (auto: dist)

@@ -30,6 +30,9 @@ class WorkerOptions:
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
     kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
+    # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
+    # pauses this long inside each shared-transport write, after the decode side admitted it.
+    fault_kv_write_pause_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -103,7 +106,8 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
-        kv_transport=args.kv_transport, gpu_memory_fraction=args.gpu_memory_fraction)
+        kv_transport=args.kv_transport, gpu_memory_fraction=args.gpu_memory_fraction,
+        fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")))
 
 
 def _add_device_args(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,7 @@
-"""The disaggregated cluster end to end: real processes, real gRPC, real gloo transfers, on CPU.
-Greedy output through the cluster must be token-identical to the offline engine."""
+"""The disaggregated cluster end to end: real processes, real gRPC, real KV transfers on CPU —
+once per transport (shared: one-sided copies into the decode worker's shared-memory cache; dist:
+gloo pair groups), at 1P+1D and 2P+2D, one cluster per combination shared by its tests. Greedy
+output through the cluster must be token-identical to the offline engine."""
 
 from __future__ import annotations
 
@@ -32,29 +34,38 @@ def reference(prompts) -> list[list[int]]:
     return offline_greedy(prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 2)])
+@pytest.fixture(scope="module", params=[("shared", 1, 1), ("shared", 2, 2), ("dist", 1, 1),
+                                        ("dist", 2, 2)], ids=lambda p: f"{p[0]}-{p[1]}p{p[2]}d")
+def cluster(request, tmp_path_factory, reference):
+    transport, prefill, decode = request.param
+    with start_cluster(tmp_path_factory.mktemp(f"{transport}-{prefill}p{decode}d"),
+                       prefill=prefill, decode=decode, dtype="float32",
+                       kv_transport=transport) as running:
+        yield running
+
+
 def test_cluster_greedy_matches_offline_engine_with_16_concurrent_streams(
-        tmp_path, prompts, reference, prefill, decode):
-    with start_cluster(tmp_path, prefill=prefill, decode=decode, dtype="float32") as cluster:
-        before = {w.worker_id: w.total_blocks for w in cluster.status().workers}
-        with LoadWatcher(cluster) as watcher:
-            got = stream_all(cluster.address, prompts, concurrency=16)
-        for i, (ours, ref) in enumerate(zip(got, reference)):
-            assert ours == ref, f"prompt {i} ({len(prompts[i])} tokens) differs"
-        workers = wait_blocks_free(cluster)
-        assert {w.worker_id: w.free_blocks for w in workers} == before, "KV blocks leaked"
-        busy = {wid for wid, n in watcher.max_running.items() if n > 0}
-        decode_ids = {w.worker_id for w in workers if w.role == 2}
-        assert busy >= decode_ids, f"placement left decode workers idle: {watcher.max_running}"
+        cluster, prompts, reference):
+    before = {w.worker_id: w.total_blocks for w in cluster.status().workers}
+    with LoadWatcher(cluster) as watcher:
+        got = stream_all(cluster.address, prompts, concurrency=16)
+    for i, (ours, ref) in enumerate(zip(got, reference)):
+        assert ours == ref, f"prompt {i} ({len(prompts[i])} tokens) differs"
+    workers = wait_blocks_free(cluster)
+    assert {w.worker_id: w.free_blocks for w in workers} == before, "KV blocks leaked"
+    busy = {wid for wid, n in watcher.max_running.items() if n > 0}
+    decode_ids = {w.worker_id for w in workers if w.role == 2}
+    assert busy >= decode_ids, f"placement left decode workers idle: {watcher.max_running}"
+    assert {w.kv_transport for w in workers} == {cluster.spec.kv_transport}
 
 
 def test_long_prompt_crosses_the_transfer_intact_and_reports_timings(
-        tmp_path, prompts, reference):
+        cluster, prompts, reference):
     ids = prompts[-1]
     assert len(ids) >= 1500
-    with start_cluster(tmp_path, prefill=1, decode=1, dtype="float32") as cluster:
-        tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
+    tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
     assert tokens == reference[-1]
+    assert last.timings.kv_transport == cluster.spec.kv_transport
     assert text  # detokenized by the router
     # 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes per token, whole blocks of 16 tokens
     blocks = -(-len(ids) // 16)

@@ -153,7 +153,7 @@ def test_client_cancel_mid_stream_frees_blocks_on_both_workers(cluster, stub):
 
 def test_cancel_before_prefill_finishes_leaks_nothing(cluster, stub):
     prefill = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_PREFILL)
-    sent = "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}"
+    sent = "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill,transport=shared}"
     sent_before = scrape(prefill.metrics_address).get(sent, 0.0)
     future = stub.Complete.future(greedy_request(long_prompt()[5:], max_tokens=4), timeout=120)
     time.sleep(0.3)
@@ -258,16 +258,18 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
     assert moved(0, "pdserve_router_e2e_seconds_count{}") == 2
     assert moved(0, "pdserve_router_requests_total{code=OK}") == 2
     assert moved(0, "pdserve_router_requests_total{code=INVALID_ARGUMENT}") == 1
-    assert moved(0, "pdserve_router_kv_transfer_bytes_total{}") > 0
+    assert moved(0, "pdserve_router_kv_transfer_bytes_total{transport=shared}") > 0
     assert after[0]["pdserve_router_workers{role=decode}"] == 1
     assert "pdserve_router_queue_depth{}" in after[0]
     assert moved(1, "pdserve_worker_ttft_seconds_count{role=prefill}") == 2
-    assert moved(1, "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}") > 0
+    sent = "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill,transport=shared}"
+    received = ("pdserve_worker_kv_transfer_bytes_total{direction=received,role=decode,"
+                "transport=shared}")
+    assert moved(1, sent) > 0
     assert moved(1, "pdserve_worker_prefix_cache_queries_tokens_total{role=prefill}") >= 200
     # the second identical prompt hits the prefix cache
     assert moved(1, "pdserve_worker_prefix_cache_hits_tokens_total{role=prefill}") >= 96
-    assert moved(2, "pdserve_worker_kv_transfer_bytes_total{direction=received,role=decode}") \
-        == moved(1, "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill}")
+    assert moved(2, received) == moved(1, sent)
     assert moved(2, "pdserve_worker_inter_token_latency_seconds_count{role=decode}") > 0
     assert moved(2, "pdserve_worker_e2e_seconds_count{role=decode}") == 2
     assert after[2]["pdserve_worker_kv_blocks_total{role=decode}"] > 0

@@ -1,0 +1,144 @@
+"""The shared transport's socket side: the handshake that hands a peer this worker's cache (the
+protocol is in kv_transfer.shared), and a writer's live mapping of a peer's cache."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pickle
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+HANDSHAKE_TIMEOUT_S = 5.0
+_LENGTH = struct.Struct("!I")
+
+
+@dataclass
+class PeerMapping:
+    """A live mapping of one decode worker's cache."""
+
+    address: str
+    mapping_id: int
+    cache: torch.Tensor  # the peer's whole cache, [layers, 2, blocks, block_size, n_kv, d]
+    conn: socket.socket
+    keep: object = None  # what keeps the memory mapped (the mmap of a CPU cache)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
+
+    def alive(self) -> bool:
+        """False once the peer closed its end (it died or stopped exporting)."""
+        try:
+            return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+
+def map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
+              ) -> PeerMapping:
+    """Connect to a decode worker's export and map its cache (checked against ours: same layer
+    count, block size, heads, head size and dtype)."""
+    if not address.startswith("@"):
+        raise ValueError(f"not an abstract Unix socket name: {address!r}")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
+        conn.connect("\0" + address[1:])
+        send_frame(conn, json.dumps({"writer": worker_id}).encode())
+        header, fds = _recv_header(conn)
+        cache, keep = _open_cache(header, fds, conn)
+        conn.settimeout(None)
+    except BaseException:
+        conn.close()
+        raise
+    if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
+            or cache.shape[3:] != like.shape[3:]:
+        conn.close()
+        raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
+                         f"{tuple(like.shape)} {like.dtype}: the layouts differ")
+    return PeerMapping(address, int(header["mapping_id"]), cache, conn, keep)
+
+
+def _open_cache(header: dict, fds: list[int], conn: socket.socket
+                ) -> tuple[torch.Tensor, object]:
+    dtype = getattr(torch, header["dtype"])
+    shape = tuple(header["shape"])
+    if header["kind"] == "cpu-memfd":
+        if len(fds) != 1:
+            raise ValueError(f"expected the cache's file descriptor, got {len(fds)}")
+        try:
+            # MAP_POPULATE: map every page now, not one fault at a time inside the first writes.
+            mapped = mmap.mmap(fds[0], int(header["num_bytes"]),
+                               flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fds[0])  # the mapping keeps the memory
+        return torch.frombuffer(mapped, dtype=dtype).view(shape), mapped
+    if header["kind"] == "cuda-ipc":
+        rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-user peer
+        cache = rebuild(*args)
+        here = f"cuda:{torch.cuda.get_device_properties(cache.device).uuid}"
+        if here != header["device"]:
+            raise ValueError(f"the peer's GPU {header['device']} opened as {here} here "
+                             f"(the two processes number their GPUs differently)")
+        return cache, None
+    raise ValueError(f"unknown export kind {header['kind']!r}")
+
+
+def check_same_user(conn: socket.socket) -> None:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise ValueError(f"a process of uid {uid} asked for the KV cache: refused")
+
+
+def send_frame(conn: socket.socket, body: bytes) -> None:
+    conn.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ValueError("the peer closed the connection mid-message")
+        data += chunk
+    return bytes(data)
+
+
+def recv_frame(conn: socket.socket) -> bytes:
+    (length,) = _LENGTH.unpack(_recv_exact(conn, _LENGTH.size))
+    return _recv_exact(conn, length)
+
+
+def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The header frame, with any file descriptors sent alongside its length."""
+    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1)
+    if len(prefix) < _LENGTH.size:
+        prefix += _recv_exact(conn, _LENGTH.size - len(prefix))
+    (length,) = _LENGTH.unpack(prefix)
+    return json.loads(_recv_exact(conn, length)), list(fds)
+
+
+def send_cache(conn: socket.socket, mapping_id: int, tensor: torch.Tensor, device: str,
+               fd: int | None, num_bytes: int) -> None:
+    """The exporter's answer to a writer: the header, then the cache (fd or CUDA IPC handle)."""
+    header = {"mapping_id": mapping_id, "shape": list(tensor.shape),
+              "dtype": str(tensor.dtype).removeprefix("torch."), "device": device}
+    if tensor.device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        header["kind"] = "cuda-ipc"
+        send_frame(conn, json.dumps(header).encode())
+        send_frame(conn, pickle.dumps(reduce_tensor(tensor)))
+        return
+    if fd is None:
+        raise ValueError("a CPU cache must live in a memfd to be exported")
+    header["kind"], header["num_bytes"] = "cpu-memfd", num_bytes
+    body = json.dumps(header).encode()
+    socket.send_fds(conn, [_LENGTH.pack(len(body))], [fd])
+    conn.sendall(body)
