@@ -26,6 +26,15 @@ from kv_transfer.packing import pack_blocks, packed_shapes, unpack_blocks
 from kv_transfer.pair import RECEIVER_RANK, SENDER_RANK, PairRegistry, connect_store, host_store
 from kv_transfer.transfer import receive_blocks, send_blocks
 
+# What NCCL and gloo say when the pair itself is impossible (e.g. two ranks on one GPU): trying
+# the same pair again fails the same way.
+PERMANENT_ERRORS = ("invalid usage", "duplicate gpu", "unsupported device")
+
+
+def will_repeat(exc: BaseException) -> bool:
+    message = str(exc).lower()
+    return any(marker in message for marker in PERMANENT_ERRORS)
+
 
 def pair_key(sender_id: str, receiver_id: str) -> str:
     return f"{sender_id}->{receiver_id}"
@@ -105,7 +114,8 @@ class KVSender:
                 self.registry.tear_down(key)
                 with self._lock:
                     self._stores.pop(store_address, None)
-                raise TransferError(f"sending KV to {receiver_id}: {exc}") from exc
+                raise TransferError(f"sending KV to {receiver_id}: {exc}",
+                                    permanent=will_repeat(exc)) from exc
 
     def _forget_if_moved(self, key: str, receiver_id: str, store_address: str) -> None:
         """A receiver that comes back under the same id (a restarted actor) hosts its store at a

@@ -98,3 +98,14 @@ def test_no_workable_pair_is_reported_with_every_reason_and_broken_pairs_are_avo
     registry.register(Worker("d1", Role.DECODE, "127.0.0.1:6001", 16, 8192,
                              load=WorkerLoad(free_blocks=100, total_blocks=100), host_id="hostA"))
     assert policy.refusal(registry.get("p1"), registry.get("d1")) is None
+
+
+def test_nccl_errors_that_will_repeat_are_marked_permanent():
+    from kv_transfer.endpoints import will_repeat
+
+    nccl = ("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN "
+            "for details), NCCL version 2.27.3 ncclInvalidUsage: Duplicate GPU detected : rank 1 "
+            "and rank 0 both on CUDA device 52000")
+    assert will_repeat(RuntimeError(nccl))
+    assert not will_repeat(RuntimeError("Connection closed by peer [127.0.0.1]:4242"))
+    assert not will_repeat(TimeoutError("receiving KV (tag 3) timed out (30.0s)"))
