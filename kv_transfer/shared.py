@@ -13,9 +13,11 @@ Protocol (decode worker D exports, prefill worker P writes):
    mapping. P copies the blocks (contiguous runs of block ids, all layers per run, device to device
    on GPUs), waits for the copy to complete, then reports the end (FinishKV).
 4. The mapping's socket stays open while P may write through it: that is D's liveness signal. P
-   closes it only when none of its writes through the mapping is in flight; if P dies the kernel
-   closes it. Either way D then ends every write that mapping had begun as failed and frees the
-   blocks — never before (decode_worker.reservations states and enforces the invariant).
+   closes it only when none of its writes through the mapping is in flight, saying goodbye
+   first; if P dies the kernel closes it, and D waits until P has finished exiting (its pid gone
+   or a zombie: a dying process's queued GPU copies end with its CUDA context, not its socket).
+   Either way D then ends every write that mapping had begun as failed and frees the blocks —
+   never before (decode_worker.reservations states and enforces the invariant).
 """
 
 from __future__ import annotations
@@ -34,15 +36,18 @@ import torch
 from engine.kv_memory import KVBuffer
 from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.shared_socket import (
+    BYE,
     HANDSHAKE_TIMEOUT_S,
     PeerMapping,
     check_same_user,
     map_peer,
     recv_frame,
     send_cache,
+    wait_until_dead,
 )
 
 log = logging.getLogger(__name__)
+WRITER_EXIT_TIMEOUT_S = 30.0  # a writer that closed without a goodbye: wait for its exit
 
 
 def device_identity(device: torch.device) -> str:
@@ -124,7 +129,7 @@ class KVExporter:
         mapping_id, key = next(self._ids), ""
         try:
             with conn:
-                check_same_user(conn)
+                pid = check_same_user(conn)
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 writer = json.loads(recv_frame(conn))["writer"]
                 key = f"{writer}#{mapping_id}"
@@ -133,8 +138,7 @@ class KVExporter:
                 send_cache(conn, mapping_id, self.buffer.tensor, self.device, self.buffer.fd,
                            self.buffer.num_bytes)
                 conn.settimeout(None)
-                while conn.recv(4096):  # the writer sends nothing more: wait for its close
-                    pass
+                self._await_close(conn, key, pid)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("KV export mapping %s ended: %s", key or mapping_id, exc)
         finally:
@@ -143,6 +147,19 @@ class KVExporter:
             if key:
                 self.on_gone(key)
 
+
+    def _await_close(self, conn: socket.socket, key: str, pid: int) -> None:
+        """Return once no write through this mapping can land: the writer said goodbye (it
+        does so with no write in flight), or it died and has finished exiting — a dying
+        process's queued GPU copies end with its CUDA context, not with its socket."""
+        said = b""
+        while chunk := conn.recv(4096):
+            said += chunk
+        if said.endswith(BYE):
+            return
+        if not wait_until_dead(pid, WRITER_EXIT_TIMEOUT_S):
+            log.warning("mapping %s closed without a goodbye and writer pid %d did not finish "
+                        "exiting within %.0fs", key, pid, WRITER_EXIT_TIMEOUT_S)
 
 
 # ---- prefill side --------------------------------------------------------------------------
@@ -229,6 +246,11 @@ class SharedSender:
 
     @staticmethod
     def _close(mapping: PeerMapping) -> None:
+        """Let go of a mapping (called with no write in flight through it)."""
+        try:
+            mapping.conn.sendall(BYE)
+        except OSError:
+            pass  # the peer is gone already
         try:
             mapping.conn.close()
         except OSError:

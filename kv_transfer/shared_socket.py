@@ -10,11 +10,14 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 HANDSHAKE_TIMEOUT_S = 5.0
+BYE = b"bye"  # a writer letting go of a mapping with no write in flight
 _LENGTH = struct.Struct("!I")
 
 
@@ -89,11 +92,29 @@ def _open_cache(header: dict, fds: list[int], conn: socket.socket
     raise ValueError(f"unknown export kind {header['kind']!r}")
 
 
-def check_same_user(conn: socket.socket) -> None:
+def check_same_user(conn: socket.socket) -> int:
+    """The peer's pid (0 when its pid namespace hides it); ValueError for another user."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
+    pid, uid, _gid = struct.unpack("3i", creds)
     if uid != os.getuid():
         raise ValueError(f"a process of uid {uid} asked for the KV cache: refused")
+    return pid
+
+
+def wait_until_dead(pid: int, timeout_s: float) -> bool:
+    """Wait until process `pid` has finished exiting (gone, or a zombie: every resource released,
+    its GPU context included); False after `timeout_s` (or when its pid is hidden from us)."""
+    deadline = time.monotonic() + timeout_s
+    while pid > 0 and time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return True
+        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    time.sleep(max(0.0, deadline - time.monotonic()))  # a hidden pid: the whole grace
+    return False
 
 
 def send_frame(conn: socket.socket, body: bytes) -> None:

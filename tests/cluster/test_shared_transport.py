@@ -84,3 +84,20 @@ def test_a_dead_exporter_fails_the_next_write_without_writing():
     kind, message, permanent = queue.get(timeout=60)
     writer.join(30)
     assert kind == "error" and "cannot map" in message and permanent
+
+
+def test_a_writer_counts_as_dead_once_it_has_finished_exiting():
+    import subprocess
+    import sys
+    import time
+
+    from kv_transfer.shared_socket import wait_until_dead
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.monotonic()
+    assert not wait_until_dead(child.pid, 0.3)  # alive: the whole grace, then False
+    assert time.monotonic() - started >= 0.3
+    child.kill()
+    assert wait_until_dead(child.pid, 10.0)  # a zombie (not reaped yet) has released everything
+    child.wait()
+    assert wait_until_dead(child.pid, 10.0)  # gone
