@@ -1,5 +1,7 @@
-"""Reserved blocks waiting for a prompt's KV, each under a lease. Plain Python: the decode
-policy calls into it from the engine-loop thread only.
+"""Reserved blocks waiting for a prompt's KV, each under a lease. Plain Python, thread-safe: the
+KV control RPCs begin and end transfers on their own threads, without waiting for the engine loop
+(which may be in the middle of a long step); `release` must therefore be safe from any thread —
+the decode worker posts the actual freeing to the loop.
 
 The invariant (one-sided writes make it matter): **a reservation's blocks are released only when
 no write into them can still land.** A write begins with `begin_receive` (naming its writer:
@@ -14,6 +16,7 @@ so a write can only land in blocks that belong to that request alone."""
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,84 +46,100 @@ class ReservationTable:
         self._release = release
         self._clock = clock
         self._table: dict[str, Reservation] = {}
+        self._lock = threading.RLock()
         self.num_expired = 0
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._table
+        with self._lock:
+            return request_id in self._table
 
     def __len__(self) -> int:
-        return len(self._table)
+        with self._lock:
+            return len(self._table)
 
     def add(self, request: Request, lease_s: float) -> None:
-        self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
+        with self._lock:
+            self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
 
-    def begin_receive(self, request_id: str, writer: str = "") -> Request:
+    def begin_receive(self, request_id: str, writer: str = "",
+                      live: Callable[[], bool] = lambda: True) -> Request:
         """Pause the lease while a transfer (by `writer`, see the module doc) writes into the
-        blocks."""
-        reservation = self._get(request_id)
-        if reservation.state is not LeaseState.RESERVED:
-            raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
-        reservation.state = LeaseState.RECEIVING
-        reservation.writer = writer
-        return reservation.request
+        blocks. `live()` is asked under the table's lock, so a writer whose mapping closes
+        concurrently is either refused here or ended by the `writer_gone` that follows."""
+        with self._lock:
+            if not live():
+                raise KeyError(f"the writer {writer} of request {request_id!r} is gone")
+            reservation = self._get(request_id)
+            if reservation.state is not LeaseState.RESERVED:
+                raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
+            reservation.state = LeaseState.RECEIVING
+            reservation.writer = writer
+            return reservation.request
 
     def writer_of(self, request_id: str) -> str | None:
         """The writer of a RECEIVING reservation (None when it is not being written)."""
-        reservation = self._table.get(request_id)
-        if reservation is None or reservation.state is not LeaseState.RECEIVING:
-            return None
-        return reservation.writer
+        with self._lock:
+            reservation = self._table.get(request_id)
+            if reservation is None or reservation.state is not LeaseState.RECEIVING:
+                return None
+            return reservation.writer
 
     def writer_gone(self, writer: str) -> list[str]:
         """`writer`'s mapping closed: none of its writes can land any more. Every reservation it
         was writing ends as failed (blocks freed); returns their request ids."""
-        ended = [rid for rid, r in self._table.items()
-                 if r.state is LeaseState.RECEIVING and writer and r.writer == writer]
-        for rid in ended:
-            self._drop(rid)
-        return ended
+        with self._lock:
+            ended = [rid for rid, r in self._table.items()
+                     if r.state is LeaseState.RECEIVING and writer and r.writer == writer]
+            for rid in ended:
+                self._drop(rid)
+            return ended
 
     def end_receive(self, request_id: str, ok: bool) -> bool:
         """The transfer finished. On success the lease restarts (the Decode call must follow);
         on failure, or if an abort came meanwhile, the blocks are freed. True if still held."""
-        reservation = self._get(request_id)
-        if not ok or reservation.aborted:
-            self._drop(request_id)
-            return False
-        reservation.state = LeaseState.READY
-        reservation.expires_at = self._clock() + reservation.lease_s
-        return True
+        with self._lock:
+            reservation = self._get(request_id)
+            if not ok or reservation.aborted:
+                self._drop(request_id)
+                return False
+            reservation.state = LeaseState.READY
+            reservation.expires_at = self._clock() + reservation.lease_s
+            return True
 
     def take_ready(self, request_id: str) -> Request:
         """Hand a request whose KV has arrived to the scheduler (the table forgets it)."""
-        reservation = self._get(request_id)
-        if reservation.state is not LeaseState.READY:
-            raise KeyError(f"request {request_id!r} has no KV yet ({reservation.state.value})")
-        del self._table[request_id]
-        return reservation.request
+        with self._lock:
+            reservation = self._get(request_id)
+            if reservation.state is not LeaseState.READY:
+                raise KeyError(f"request {request_id!r} has no KV yet ({reservation.state.value})")
+            del self._table[request_id]
+            return reservation.request
 
     def abort(self, request_id: str) -> bool:
-        reservation = self._table.get(request_id)
-        if reservation is None:
-            return False
-        if reservation.state is LeaseState.RECEIVING:
-            reservation.aborted = True  # the writer still uses the blocks
-        else:
-            self._drop(request_id)
-        return True
+        with self._lock:
+            reservation = self._table.get(request_id)
+            if reservation is None:
+                return False
+            if reservation.state is LeaseState.RECEIVING:
+                reservation.aborted = True  # the writer still uses the blocks
+            else:
+                self._drop(request_id)
+            return True
 
     def expire(self) -> list[str]:
         """Free reservations whose lease ran out (never while a transfer writes)."""
-        now = self._clock()
-        expired = [rid for rid, r in self._table.items()
-                   if r.state is not LeaseState.RECEIVING and now >= r.expires_at]
-        for rid in expired:
-            self._drop(rid)
-        self.num_expired += len(expired)
-        return expired
+        with self._lock:
+            now = self._clock()
+            expired = [rid for rid, r in self._table.items()
+                       if r.state is not LeaseState.RECEIVING and now >= r.expires_at]
+            for rid in expired:
+                self._drop(rid)
+            self.num_expired += len(expired)
+            return expired
 
     def requests(self) -> list[Request]:
-        return [r.request for r in self._table.values()]
+        with self._lock:
+            return [r.request for r in self._table.values()]
 
     def _get(self, request_id: str) -> Reservation:
         reservation = self._table.get(request_id)

@@ -51,7 +51,9 @@ class DecodeWorker:
     def __init__(self, engine: LLMEngine, options: WorkerOptions):
         self.options = options
         self.worker_id = options.worker_id
-        self.table = ReservationTable(release=engine.release)
+        # Transfers begin and end on the RPC threads; freeing blocks is the loop's job.
+        self.table = ReservationTable(
+            release=lambda request: self.loop.post(lambda e: e.release(request)))
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         self.loop = EngineLoop(engine, DecodePolicy(self.table), observer=self.metrics)
@@ -94,13 +96,12 @@ class DecodeWorker:
             raise ValueError(f"transport must be shared or dist, got {transport!r}")
         engine = self.loop.engine
         try:
-            request = self.loop.call(lambda e: self.table.begin_receive(request_id),
-                                     COMMAND_TIMEOUT_S)
+            request = self.table.begin_receive(request_id)
             _check_shape(engine, request.block_ids, num_blocks, dtype)
         except (KeyError, ValueError) as exc:
             self.receiver.refuse(sender_id, generation, tag, str(exc))
-            if request_id in self.table:
-                self.loop.post(lambda e: self.table.end_receive(request_id, ok=False))
+            if self.table.writer_of(request_id) == "":
+                self.table.end_receive(request_id, ok=False)
             raise
         ok = False
         try:
@@ -113,8 +114,7 @@ class DecodeWorker:
             self.metrics.transfer_failed("received", "dist")
             raise
         finally:
-            held = self.loop.call(lambda e: self.table.end_receive(request_id, ok),
-                                  COMMAND_TIMEOUT_S)
+            held = self.table.end_receive(request_id, ok)
             if ok and not held:
                 raise TransferError(f"request {request_id!r} was aborted during its transfer")
 
@@ -125,33 +125,32 @@ class DecodeWorker:
         if self.exporter is None:
             raise ValueError("this decode worker runs --kv-transport dist: it exports no cache")
 
-        def begin(engine: LLMEngine) -> None:
-            writer = self.exporter.writer_key(mapping_id)
-            if writer is None:
-                raise KeyError(f"mapping {mapping_id} of this worker's KV cache is not open")
-            request = self.table.begin_receive(request_id, writer)
-            try:
-                _check_shape(engine, request.block_ids, num_blocks, dtype)
-            except ValueError:
-                self.table.end_receive(request_id, ok=False)
-                raise
-
-        self.loop.call(begin, COMMAND_TIMEOUT_S)
+        exporter = self.exporter
+        writer = exporter.writer_key(mapping_id)
+        if writer is None:
+            raise KeyError(f"mapping {mapping_id} of this worker's KV cache is not open")
+        request = self.table.begin_receive(
+            request_id, writer, live=lambda: exporter.writer_key(mapping_id) == writer)
+        try:
+            _check_shape(self.loop.engine, request.block_ids, num_blocks, dtype)
+        except ValueError:
+            self.table.end_receive(request_id, ok=False)
+            raise
 
     def finish_kv(self, request_id: str, sender_id: str, ok: bool, num_bytes: int,
                   seconds: float) -> bool:
         """A peer's write ended; True while the request still holds its blocks (KV ready)."""
 
-        def end(engine: LLMEngine) -> bool:
-            writer = self.table.writer_of(request_id)
-            if writer is None:  # aborted and freed when the mapping closed, or never begun
-                return False
-            if not writer.startswith(f"{sender_id}#"):
-                raise KeyError(f"request {request_id!r} is being written by {writer}, not "
-                               f"{sender_id}")
-            return self.table.end_receive(request_id, ok)
-
-        held = self.loop.call(end, COMMAND_TIMEOUT_S)
+        writer = self.table.writer_of(request_id)
+        if writer is None:  # aborted and freed when the mapping closed, or never begun
+            return False
+        if not writer.startswith(f"{sender_id}#"):
+            raise KeyError(f"request {request_id!r} is being written by {writer}, not "
+                           f"{sender_id}")
+        try:
+            held = self.table.end_receive(request_id, ok)
+        except KeyError:  # ended meanwhile: its mapping closed
+            held = False
         if ok and held:
             self.metrics.transfer("received", num_bytes, seconds, "shared")
         elif not ok:
@@ -159,14 +158,10 @@ class DecodeWorker:
         return held
 
     def _writer_gone(self, writer: str) -> None:
-        """Runs on the exporter's thread when a mapping closes: end its writes on the loop."""
-
-        def end(engine: LLMEngine) -> None:
-            for request_id in self.table.writer_gone(writer):
-                log.warning("the mapping %s closed during the write of %s; blocks freed",
-                            writer, request_id)
-
-        self.loop.post(end)
+        """Runs on the exporter's thread when a mapping closes (no write through it can land)."""
+        for request_id in self.table.writer_gone(writer):
+            log.warning("the mapping %s closed during the write of %s; blocks freed", writer,
+                        request_id)
 
     def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None
               ) -> Iterator[RequestOutput]:
