@@ -61,14 +61,10 @@ class ReservationTable:
         with self._lock:
             self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
 
-    def begin_receive(self, request_id: str, writer: str = "",
-                      live: Callable[[], bool] = lambda: True) -> Request:
+    def begin_receive(self, request_id: str, writer: str = "") -> Request:
         """Pause the lease while a transfer (by `writer`, see the module doc) writes into the
-        blocks. `live()` is asked under the table's lock, so a writer whose mapping closes
-        concurrently is either refused here or ended by the `writer_gone` that follows."""
+        blocks."""
         with self._lock:
-            if not live():
-                raise KeyError(f"the writer {writer} of request {request_id!r} is gone")
             reservation = self._get(request_id)
             if reservation.state is not LeaseState.RESERVED:
                 raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")

@@ -52,8 +52,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         try:
             stats = self.worker.receive_kv(request.request_id, request.sender_id,
                                            request.generation, request.tag, request.num_blocks,
-                                           request.dtype, request.transport or "dist",
-                                           request.mapping_id)
+                                           request.dtype)
         except KeyError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
@@ -61,15 +60,6 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except TransferError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.ABORTED, str(exc))
         return pb.ReceiveKVResponse(num_bytes=stats.num_bytes, seconds=stats.seconds)
-
-    def FinishKV(self, request: pb.FinishKVRequest, context: grpc.ServicerContext
-                 ) -> pb.FinishKVResponse:
-        try:
-            held = self.worker.finish_kv(request.request_id, request.sender_id, request.ok,
-                                         request.num_bytes, request.seconds)
-        except KeyError as exc:
-            self.gate.reject(context, "FinishKV", grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        return pb.FinishKVResponse(held=held)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:

@@ -61,8 +61,7 @@ class DecodeWorker:
                                    options.transfer_timeout_s)
         self.transfer_address = f"{options.public_host}:{self.receiver.port}"
         # Same-host prefill workers write into our cache themselves (kv_transfer.shared).
-        self.exporter = (KVExporter(options.worker_id, engine.runner.kv_buffer,
-                                    on_gone=self._writer_gone)
+        self.exporter = (KVExporter(options.worker_id, engine.runner.kv_buffer, handler=self)
                          if options.kv_transport != "dist" and options.role == "decode" else None)
         self.kv_export_address = self.exporter.address if self.exporter else ""
 
@@ -84,16 +83,9 @@ class DecodeWorker:
         return ReservedBlocks(self.loop.call(run, COMMAND_TIMEOUT_S), self.transfer_address)
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
-                   num_blocks: int, dtype: str, transport: str = "dist", mapping_id: int = 0
-                   ) -> TransferStats:
-        """Receive the prompt's KV into the reserved blocks (KeyError: no such reservation;
-        ValueError: shape/dtype mismatch; TransferError: the transfer failed). With the shared
-        transport this only admits the peer's write; `finish_kv` reports its end."""
-        if transport == "shared":
-            self._admit_write(request_id, mapping_id, num_blocks, dtype)
-            return TransferStats(0, 0.0, "shared")
-        if transport != "dist":
-            raise ValueError(f"transport must be shared or dist, got {transport!r}")
+                   num_blocks: int, dtype: str) -> TransferStats:
+        """dist transport: receive the prompt's KV into the reserved blocks (KeyError: no such
+        reservation; ValueError: shape/dtype mismatch; TransferError: the transfer failed)."""
         engine = self.loop.engine
         try:
             request = self.table.begin_receive(request_id)
@@ -118,47 +110,31 @@ class DecodeWorker:
             if ok and not held:
                 raise TransferError(f"request {request_id!r} was aborted during its transfer")
 
-    def _admit_write(self, request_id: str, mapping_id: int, num_blocks: int, dtype: str
-                     ) -> None:
-        """Let a live mapping of our cache write into a reservation's blocks (RECEIVING from
-        here on, until finish_kv or the mapping closes)."""
-        if self.exporter is None:
-            raise ValueError("this decode worker runs --kv-transport dist: it exports no cache")
-
-        exporter = self.exporter
-        writer = exporter.writer_key(mapping_id)
-        if writer is None:
-            raise KeyError(f"mapping {mapping_id} of this worker's KV cache is not open")
-        request = self.table.begin_receive(
-            request_id, writer, live=lambda: exporter.writer_key(mapping_id) == writer)
+    # ---- shared transport: same-host writers copy into our cache (kv_transfer.shared) -------
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
+        """Let a live mapping of our cache write into a reservation's blocks (RECEIVING from here
+        on, until end_write or the mapping closes). Runs on that mapping's exporter thread."""
+        request = self.table.begin_receive(request_id, writer)
         try:
             _check_shape(self.loop.engine, request.block_ids, num_blocks, dtype)
         except ValueError:
             self.table.end_receive(request_id, ok=False)
             raise
 
-    def finish_kv(self, request_id: str, sender_id: str, ok: bool, num_bytes: int,
+    def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
                   seconds: float) -> bool:
-        """A peer's write ended; True while the request still holds its blocks (KV ready)."""
-
-        writer = self.table.writer_of(request_id)
-        if writer is None:  # aborted and freed when the mapping closed, or never begun
-            return False
-        if not writer.startswith(f"{sender_id}#"):
-            raise KeyError(f"request {request_id!r} is being written by {writer}, not "
-                           f"{sender_id}")
-        try:
-            held = self.table.end_receive(request_id, ok)
-        except KeyError:  # ended meanwhile: its mapping closed
-            held = False
+        """A mapping's write ended; True while the request still holds its blocks (KV ready)."""
+        if self.table.writer_of(request_id) != writer:
+            raise KeyError(f"request {request_id!r} is not being written by {writer}")
+        held = self.table.end_receive(request_id, ok)
         if ok and held:
             self.metrics.transfer("received", num_bytes, seconds, "shared")
         elif not ok:
             self.metrics.transfer_failed("received", "shared")
         return held
 
-    def _writer_gone(self, writer: str) -> None:
-        """Runs on the exporter's thread when a mapping closes (no write through it can land)."""
+    def writer_gone(self, writer: str) -> None:
+        """A mapping closed: none of its writes can land any more."""
         for request_id in self.table.writer_gone(writer):
             log.warning("the mapping %s closed during the write of %s; blocks freed", writer,
                         request_id)

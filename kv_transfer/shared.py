@@ -8,16 +8,18 @@ Protocol (decode worker D exports, prefill worker P writes):
    id, layout, dtype, device) and the cache itself — the memfd as an SCM_RIGHTS file descriptor,
    or the CUDA IPC handle torch.multiprocessing builds. P maps it; no staging buffer, no NCCL, no
    per-pair rendezvous. Only a process of the same user may connect (SO_PEERCRED).
-3. Per request: P asks D to admit a write into the request's reserved blocks (the ReceiveKV RPC
-   with transport "shared" and the mapping id); D marks the reservation as being written by that
-   mapping. P copies the blocks (contiguous runs of block ids, all layers per run, device to device
-   on GPUs), waits for the copy to complete, then reports the end (FinishKV).
-4. The mapping's socket stays open while P may write through it: that is D's liveness signal. P
-   closes it only when none of its writes through the mapping is in flight, saying goodbye
-   first; if P dies the kernel closes it, and D waits until P has finished exiting (its pid gone
-   or a zombie: a dying process's queued GPU copies end with its CUDA context, not its socket).
-   Either way D then ends every write that mapping had begun as failed and frees the blocks —
-   never before (decode_worker.reservations states and enforces the invariant).
+3. Per request, over the same socket (one JSON frame each way, microseconds on one host): P asks
+   D to admit a write into the request's reserved blocks (`begin`); D marks the reservation as
+   being written by this mapping, or refuses. P copies the blocks (contiguous runs of block ids,
+   all layers per run, device to device on GPUs), waits for the copy to complete, then reports the
+   end (`finish`, ok or not); D answers whether it still holds the request.
+4. The socket stays open while P may write through it: it is also D's liveness signal. P closes
+   it only when none of its writes through the mapping is in flight, saying `bye` first; if P
+   dies the kernel closes it, and D waits until P has finished exiting (its pid gone or a zombie:
+   a dying process's queued GPU copies end with its CUDA context, not its socket). Either way D
+   then ends every write the mapping had begun as failed and frees the blocks — never before
+   (decode_worker.reservations states and enforces the invariant). One thread per mapping on D
+   handles its begin, finish and close in order, so a write can never begin on a closed mapping.
 """
 
 from __future__ import annotations
@@ -29,20 +31,21 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from engine.kv_memory import KVBuffer
 from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.shared_socket import (
-    BYE,
     HANDSHAKE_TIMEOUT_S,
     PeerMapping,
     check_same_user,
     map_peer,
     recv_frame,
     send_cache,
+    send_frame,
     wait_until_dead,
 )
 
@@ -86,31 +89,37 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
 
 # ---- decode side ---------------------------------------------------------------------------
 
-class KVExporter:
-    """Exports this worker's cache to writers on this host; tells `on_gone(writer_key)` when a
-    writer's mapping closes (the writer let go of it, or died)."""
+class WriteHandler(Protocol):
+    """What the exporting worker does with its writers' requests (decode_worker.worker)."""
 
-    def __init__(self, worker_id: str, buffer: KVBuffer, on_gone: Callable[[str], None]):
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
+        """Admit the write (KeyError/ValueError with the reason to refuse it)."""
+
+    def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
+                  seconds: float) -> bool:
+        """The write ended; whether the request still holds its blocks."""
+
+    def writer_gone(self, writer: str) -> None:
+        """No write through this mapping can land any more."""
+
+
+class KVExporter:
+    """Exports this worker's cache to writers on this host, one thread per mapping."""
+
+    def __init__(self, worker_id: str, buffer: KVBuffer, handler: WriteHandler):
         if buffer.tensor.device.type == "cpu" and buffer.fd is None:
             raise ValueError("a CPU KV cache must be allocated shareable to be exported")
         self.buffer = buffer
-        self.on_gone = on_gone
+        self.handler = handler
         self.name = f"pdserve-kv-{worker_id}-{secrets.token_hex(4)}"
         self.address = f"@{self.name}"  # "@": an abstract socket name, as `ss` shows it
         self.device = device_identity(buffer.tensor.device)
         self._ids = itertools.count(1)
-        self._live: dict[int, str] = {}  # mapping id -> writer key
-        self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
         self._listener.listen(64)
         self._closed = False
         threading.Thread(target=self._accept, name="kv-export", daemon=True).start()
-
-    def writer_key(self, mapping_id: int) -> str | None:
-        """The key of a live mapping (None once it closed)."""
-        with self._lock:
-            return self._live.get(mapping_id)
 
     def close(self) -> None:
         self._closed = True
@@ -131,44 +140,53 @@ class KVExporter:
             with conn:
                 pid = check_same_user(conn)
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                writer = json.loads(recv_frame(conn))["writer"]
-                key = f"{writer}#{mapping_id}"
-                with self._lock:
-                    self._live[mapping_id] = key
+                key = f"{json.loads(recv_frame(conn))['writer']}#{mapping_id}"
                 send_cache(conn, mapping_id, self.buffer.tensor, self.device, self.buffer.fd,
                            self.buffer.num_bytes)
                 conn.settimeout(None)
-                self._await_close(conn, key, pid)
+                if not self._answer_until_closed(conn, key):
+                    self._await_exit(key, pid)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("KV export mapping %s ended: %s", key or mapping_id, exc)
         finally:
-            with self._lock:
-                self._live.pop(mapping_id, None)
             if key:
-                self.on_gone(key)
+                self.handler.writer_gone(key)
 
+    def _answer_until_closed(self, conn: socket.socket, key: str) -> bool:
+        """Serve the writer's begin/finish requests until it closes; True if it said bye."""
+        while True:
+            try:
+                message = json.loads(recv_frame(conn))
+            except ValueError:  # closed (mid-frame or between frames) without a goodbye
+                return False
+            if message["op"] == "bye":
+                return True
+            send_frame(conn, json.dumps(self._answer(key, message)).encode())
 
-    def _await_close(self, conn: socket.socket, key: str, pid: int) -> None:
-        """Return once no write through this mapping can land: the writer said goodbye (it
-        does so with no write in flight), or it died and has finished exiting — a dying
-        process's queued GPU copies end with its CUDA context, not with its socket."""
-        said = b""
-        while chunk := conn.recv(4096):
-            said += chunk
-        if said.endswith(BYE):
-            return
+    def _answer(self, key: str, message: dict) -> dict:
+        try:
+            if message["op"] == "begin":
+                self.handler.begin_write(key, message["request_id"], int(message["num_blocks"]),
+                                         message["dtype"])
+                return {"ok": True}
+            if message["op"] == "finish":
+                return {"held": self.handler.end_write(
+                    key, message["request_id"], bool(message["ok"]),
+                    int(message["num_bytes"]), float(message["seconds"]))}
+            return {"error": f"unknown op {message['op']!r}"}
+        except (KeyError, ValueError) as exc:
+            return {"error": str(exc)[:500]}
+
+    @staticmethod
+    def _await_exit(key: str, pid: int) -> None:
+        """The writer vanished without a goodbye: it died. Wait until it has finished exiting —
+        a dying process's queued GPU copies end with its CUDA context, not with its socket."""
         if not wait_until_dead(pid, WRITER_EXIT_TIMEOUT_S):
             log.warning("mapping %s closed without a goodbye and writer pid %d did not finish "
                         "exiting within %.0fs", key, pid, WRITER_EXIT_TIMEOUT_S)
 
 
 # ---- prefill side --------------------------------------------------------------------------
-
-# Admits the write (ReceiveKV) for a mapping id; raises TransferError when refused.
-BeginWrite = Callable[[int], None]
-# Reports the end (FinishKV): ok, bytes, seconds -> whether the decode side still holds it.
-FinishWrite = Callable[[bool, int, float], bool]
-
 
 class SharedSender:
     """Prefill side: one mapping per decode worker's export, one write at a time through it."""
@@ -180,16 +198,15 @@ class SharedSender:
         self._mappings: dict[str, PeerMapping] = {}
         self._lock = threading.Lock()
 
-    def send(self, receiver_id: str, address: str, src: torch.Tensor, src_ids: Sequence[int],
-             dst_ids: Sequence[int], begin: BeginWrite, finish: FinishWrite) -> TransferStats:
+    def send(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
+             src_ids: Sequence[int], dst_ids: Sequence[int]) -> TransferStats:
+        """Copy `src_ids` of our cache into `dst_ids` of the receiver's (TransferError when
+        refused or broken; `permanent` when the receiver's cache cannot be mapped from here)."""
         mapping = self._mapping(receiver_id, address, src)
+        dtype = str(src.dtype).removeprefix("torch.")
         with mapping.lock:
-            try:
-                begin(mapping.mapping_id)
-            except TransferError:
-                if not mapping.alive():
-                    self._drop(mapping)
-                raise
+            self._call(mapping, receiver_id, {"op": "begin", "request_id": request_id,
+                                              "num_blocks": len(dst_ids), "dtype": dtype})
             if self.pause_in_write_s:
                 log.warning("fault injection: pausing %.1fs inside the write",
                             self.pause_in_write_s)
@@ -198,23 +215,28 @@ class SharedSender:
             try:
                 num_bytes = copy_blocks(src, src_ids, mapping.cache, dst_ids)
             except Exception as exc:  # noqa: BLE001 - any copy failure ends the write
-                self._end_failed(mapping, finish)
+                self._call(mapping, receiver_id, {"op": "finish", "request_id": request_id,
+                                                  "ok": False, "num_bytes": 0, "seconds": 0})
                 raise TransferError(f"copying KV into {receiver_id}'s cache: {exc}") from exc
             seconds = time.perf_counter() - start
-            try:
-                held = finish(True, num_bytes, seconds)
-            except TransferError:
-                self._drop(mapping)  # closing the mapping is how D learns the write ended
-                raise
-        if not held:
-            raise TransferError(f"{receiver_id} dropped the request during the write")
+            reply = self._call(mapping, receiver_id, {
+                "op": "finish", "request_id": request_id, "ok": True, "num_bytes": num_bytes,
+                "seconds": seconds})
+        if not reply.get("held"):
+            raise TransferError(f"{receiver_id} dropped request {request_id} during the write")
         return TransferStats(num_bytes, seconds, "shared")
 
-    def _end_failed(self, mapping: PeerMapping, finish: FinishWrite) -> None:
+    def _call(self, mapping: PeerMapping, receiver_id: str, message: dict) -> dict:
+        """One exchange; a broken or slow peer loses the mapping (closing it tells the peer that
+        no write of ours is in flight: we hold the mapping's lock)."""
         try:
-            finish(False, 0, 0.0)
-        except TransferError:
+            reply = mapping.call(message, self.timeout_s)
+        except (OSError, ValueError) as exc:
             self._drop(mapping)
+            raise TransferError(f"{receiver_id} did not answer {message['op']}: {exc}") from exc
+        if "error" in reply:
+            raise TransferError(f"{receiver_id} refused {message['op']}: {reply['error']}")
+        return reply
 
     def _mapping(self, receiver_id: str, address: str, like: torch.Tensor) -> PeerMapping:
         self._prune()
@@ -239,26 +261,20 @@ class SharedSender:
                 self._drop(mapping)
 
     def _drop(self, mapping: PeerMapping) -> None:
+        """Let go of a mapping. The caller holds its lock, and a copy returns only once it is
+        complete, so no write of ours through it is in flight: say so (bye) and close."""
         with self._lock:
             if self._mappings.get(mapping.address) is mapping:
                 del self._mappings[mapping.address]
-        self._close(mapping)
-
-    @staticmethod
-    def _close(mapping: PeerMapping) -> None:
-        """Let go of a mapping (called with no write in flight through it)."""
         try:
-            mapping.conn.sendall(BYE)
+            send_frame(mapping.conn, json.dumps({"op": "bye"}).encode())
         except OSError:
             pass  # the peer is gone already
-        try:
-            mapping.conn.close()
-        except OSError:
-            pass
+        mapping.conn.close()
 
     def close(self) -> None:
         with self._lock:
-            mappings, self._mappings = list(self._mappings.values()), {}
+            mappings = list(self._mappings.values())
         for mapping in mappings:
             with mapping.lock:  # never close under a write in flight
-                self._close(mapping)
+                self._drop(mapping)

@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
@@ -17,7 +18,6 @@ from pathlib import Path
 import torch
 
 HANDSHAKE_TIMEOUT_S = 5.0
-BYE = b"bye"  # a writer letting go of a mapping with no write in flight
 _LENGTH = struct.Struct("!I")
 
 
@@ -32,18 +32,27 @@ class PeerMapping:
     keep: object = None  # what keeps the memory mapped (the mmap of a CPU cache)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
 
+    def call(self, message: dict, timeout_s: float) -> dict:
+        """One control exchange with the exporter (OSError/ValueError when the peer is gone or
+        slow: the mapping must then be dropped)."""
+        self.conn.settimeout(timeout_s)
+        send_frame(self.conn, json.dumps(message).encode())
+        return json.loads(recv_frame(self.conn))
+
     def alive(self) -> bool:
-        """False once the peer closed its end (it died or stopped exporting)."""
+        """False once the peer closed its end (it died or stopped exporting). Polls without
+        reading, so it is safe beside an exchange in flight on another thread."""
+        poller = select.poll()
         try:
-            return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
-        except OSError:
+            poller.register(self.conn, select.POLLRDHUP)
+        except (OSError, ValueError):  # closed here already
             return False
+        gone = select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL
+        return not any(events & gone for _, events in poller.poll(0))
 
 
 def map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
-              ) -> PeerMapping:
+             ) -> PeerMapping:
     """Connect to a decode worker's export and map its cache (checked against ours: same layer
     count, block size, heads, head size and dtype)."""
     if not address.startswith("@"):

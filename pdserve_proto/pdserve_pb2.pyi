@@ -325,44 +325,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
-    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "transport", "mapping_id")
+    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    MAPPING_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     generation: int
     tag: int
     num_blocks: int
     dtype: str
-    transport: str
-    mapping_id: int
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., transport: _Optional[str] = ..., mapping_id: _Optional[int] = ...) -> None: ...
-
-class FinishKVRequest(_message.Message):
-    __slots__ = ("request_id", "sender_id", "ok", "num_bytes", "seconds")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
-    OK_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    sender_id: str
-    ok: bool
-    num_bytes: int
-    seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., ok: _Optional[bool] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
-
-class FinishKVResponse(_message.Message):
-    __slots__ = ("held",)
-    HELD_FIELD_NUMBER: _ClassVar[int]
-    held: bool
-    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ReceiveKVResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")

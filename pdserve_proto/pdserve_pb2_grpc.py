@@ -337,11 +337,6 @@ class DecodeWorkerStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
                 _registered_method=True)
-        self.FinishKV = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/FinishKV',
-                request_serializer=pdserve__proto_dot_pdserve__pb2.FinishKVRequest.SerializeToString,
-                response_deserializer=pdserve__proto_dot_pdserve__pb2.FinishKVResponse.FromString,
-                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
                 request_serializer=pdserve__proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
@@ -369,16 +364,8 @@ class DecodeWorkerServicer:
         """Called by the prefill worker right before it sends a reserved request's KV over the pair
         process group; returns once the KV is written into the reserved blocks (the acknowledgement
         after which the prefill worker frees its own blocks).
-        With transport "shared" it only admits the write: the prefill worker then copies the blocks
-        into this worker's mapped cache itself and reports the end with FinishKV.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def FinishKV(self, request, context):
-        """The end of a shared-transport write (ok or not): the reservation's blocks become the
-        request's KV, or are freed if the write failed or the request was aborted meanwhile.
+        (dist transport only: the shared transport's writes are admitted and ended over the Unix
+        socket a same-host prefill worker maps this worker's cache through, see kv_transfer.shared.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -411,11 +398,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.ReceiveKV,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.SerializeToString,
-            ),
-            'FinishKV': grpc.unary_unary_rpc_method_handler(
-                    servicer.FinishKV,
-                    request_deserializer=pdserve__proto_dot_pdserve__pb2.FinishKVRequest.FromString,
-                    response_serializer=pdserve__proto_dot_pdserve__pb2.FinishKVResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -483,33 +465,6 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/ReceiveKV',
             pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FinishKV(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/FinishKV',
-            pdserve__proto_dot_pdserve__pb2.FinishKVRequest.SerializeToString,
-            pdserve__proto_dot_pdserve__pb2.FinishKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,11 +42,10 @@ class DecodeStubs:
             return self._stubs[address]
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str, transport: str = "dist",
-                      mapping_id: int = 0) -> Callable[[float], object]:
+                      num_blocks: int, dtype: str) -> Callable[[float], object]:
         message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
                                       generation=generation, tag=tag, num_blocks=num_blocks,
-                                      dtype=dtype, transport=transport, mapping_id=mapping_id)
+                                      dtype=dtype)
         future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
 
         def wait_ack(timeout_s: float) -> object:
@@ -57,16 +56,6 @@ class DecodeStubs:
                                     f"the KV: {exc.code().name}: {exc.details()}") from exc
 
         return wait_ack
-
-    def finish_receive(self, target: DecodeTarget, request_id: str, ok: bool, num_bytes: int,
-                       seconds: float) -> bool:
-        message = pb.FinishKVRequest(request_id=request_id, sender_id=self.sender_id, ok=ok,
-                                     num_bytes=num_bytes, seconds=seconds)
-        try:
-            return self.stub(target.address).FinishKV(message, timeout=self.rpc_timeout_s).held
-        except grpc.RpcError as exc:
-            raise TransferError(f"decode worker {target.worker_id} did not take the end of the "
-                                f"KV write: {exc.code().name}: {exc.details()}") from exc
 
 
 class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):

@@ -60,14 +60,9 @@ class DecodeControl(Protocol):
     """The decode workers' KV control RPCs (prefill_worker.service.DecodeStubs)."""
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str, transport: str = "dist",
-                      mapping_id: int = 0) -> Callable[[float], object]:
-        """ReceiveKV: returns a wait for the decode side's answer (TransferError if refused)."""
-
-    def finish_receive(self, target: DecodeTarget, request_id: str, ok: bool, num_bytes: int,
-                       seconds: float) -> bool:
-        """FinishKV: whether the decode side still holds the request (TransferError on
-        failure)."""
+                      num_blocks: int, dtype: str) -> Callable[[float], object]:
+        """ReceiveKV (dist transport): returns a wait for the decode side's acknowledgement
+        (TransferError if refused)."""
 
 
 @dataclass
@@ -203,19 +198,10 @@ class PrefillWorker:
         return stats
 
     def _send_shared(self, plan: ShipPlan) -> TransferStats:
-        target, rid = plan.target, plan.request.request_id
-        timeout_s = self.options.transfer_timeout_s
-
-        def begin(mapping_id: int) -> None:
-            self.control.start_receive(target, rid, 0, 0, len(plan.blocks), plan.dtype,
-                                       "shared", mapping_id)(timeout_s)
-
-        def finish(ok: bool, num_bytes: int, seconds: float) -> bool:
-            return self.control.finish_receive(target, rid, ok, num_bytes, seconds)
-
+        target = plan.target
         return self.shared.send(target.worker_id, target.export_address,
-                                self.loop.engine.runner.kv_buffer.tensor, plan.blocks,
-                                target.block_ids, begin, finish)
+                                plan.request.request_id, self.loop.engine.runner.kv_buffer.tensor,
+                                plan.blocks, target.block_ids)
 
     def _release(self, engine: LLMEngine, request: Request) -> None:
         self.shipping.pop(request.request_id, None)

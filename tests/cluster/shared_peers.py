@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -22,13 +21,33 @@ def expected_blocks() -> torch.Tensor:
     return source_cache()[:, :, SRC_BLOCKS]
 
 
+class Recorder:
+    """The exporting side's write handler: admits every write, reports every event."""
+
+    def __init__(self, queue) -> None:  # noqa: ANN001 - a multiprocessing queue
+        self.queue = queue
+
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
+        if request_id == "refused":
+            raise KeyError(f"no reservation for request {request_id!r}")
+        self.queue.put(("began", writer, request_id))
+
+    def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
+                  seconds: float) -> bool:
+        self.queue.put(("finished", writer, ok, num_bytes))
+        return True
+
+    def writer_gone(self, writer: str) -> None:
+        self.queue.put(("gone", writer))
+
+
 def exporter(queue, commands) -> None:
-    """Exports a zeroed cache; reports its address, every closed mapping, and on request the
-    blocks at DST_BLOCKS and whether every other block is still zero."""
+    """Exports a zeroed cache; reports its address, every write event and closed mapping, and
+    on request the blocks at DST_BLOCKS and whether every other block is still zero."""
     from kv_transfer.shared import KVExporter
 
     buffer = allocate_kv_buffer(SHAPE, torch.float32, torch.device("cpu"), shareable=True)
-    exp = KVExporter("decode-t", buffer, on_gone=lambda key: queue.put(("gone", key)))
+    exp = KVExporter("decode-t", buffer, handler=Recorder(queue))
     queue.put(("address", exp.address))
     while True:
         command = commands.get(timeout=60)
@@ -41,29 +60,21 @@ def exporter(queue, commands) -> None:
 
 
 def writer(address: str, queue, plan: list[str]) -> None:
-    """For each step: 'write' the blocks, or 'hang' (begin the write, then never finish: the
-    test kills this process mid-write)."""
+    """For each step: 'write' the blocks, 'refused' (the exporter refuses the write), or 'hang'
+    (the write begins, then this process stalls inside it: the test kills it mid-write)."""
     from kv_transfer.errors import TransferError
     from kv_transfer.shared import SharedSender
 
-    sender = SharedSender("prefill-t", timeout_s=5.0)
     src = source_cache()
+    sender = SharedSender("prefill-t", timeout_s=5.0,
+                          pause_in_write_s=600.0 if "hang" in plan else 0.0)
     for step in plan:
-        def begin(mapping_id: int, step: str = step) -> None:
-            queue.put(("began", mapping_id))
-            if step == "hang":
-                time.sleep(600)
-
-        def finish(ok: bool, num_bytes: int, seconds: float) -> bool:
-            queue.put(("finished", ok, num_bytes))
-            return True
-
         try:
-            stats = sender.send("decode-t", address, src, SRC_BLOCKS, DST_BLOCKS, begin, finish)
+            stats = sender.send("decode-t", address, step, src, SRC_BLOCKS, DST_BLOCKS)
             queue.put(("sent", stats.num_bytes, stats.transport))
         except TransferError as exc:
             queue.put(("error", str(exc), exc.permanent))
-    sender.close()
+    sender.close()  # says bye: no write in flight
     queue.close()
     queue.join_thread()  # os._exit would drop what the queue's feeder thread has not sent
     os._exit(0)
