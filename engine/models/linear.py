@@ -25,12 +25,15 @@ class Linear:
                  pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.packed = pack and onednn_usable(weight)
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
-                                                                   _PACK_BATCH_HINT)
-        else:
-            self.weight = weight
+        self.weight = weight
+        self.packed = False
+        if pack and onednn_usable(weight):
+            try:
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
+                                                                       _PACK_BATCH_HINT)
+                self.packed = True
+            except RuntimeError:  # e.g. bf16 on a CPU without AVX512-BF16 / AVX-NE-CONVERT
+                self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
