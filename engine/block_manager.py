@@ -138,8 +138,10 @@ class BlockManager:
         for block_id in cached_blocks:
             self._ref(block_id)
         request.block_ids.extend(cached_blocks)
-        for _ in range(needed - have):
-            request.block_ids.append(self._take_evictable())
+        # Which blocks are evicted is the LRU's choice; the order they are handed out in is ours:
+        # ascending ids keep a request's blocks in runs (freed tails come back in descending
+        # order), so its KV is copied or sent a run at a time rather than a block at a time.
+        request.block_ids.extend(sorted(self._take_evictable() for _ in range(needed - have)))
         return True
 
     def free(self, request: Request) -> None:
