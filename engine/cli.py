@@ -24,8 +24,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="default: 64 on CPU, 256 on CUDA")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: 512 on CPU, 8192 on CUDA")
     g.add_argument("--prefill-chunk-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",
@@ -38,9 +40,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_gb=args.kv_cache_gb,
                           kv_cache_memory_fraction=args.kv_cache_memory_fraction,
                           enable_prefix_caching=not args.no_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs,
-                                  prefill_chunk_size=args.prefill_chunk_size),
+        scheduler=SchedulerConfig.for_device(
+            args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, prefill_chunk_size=args.prefill_chunk_size),
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
     )
 

@@ -208,6 +208,18 @@ class SchedulerConfig:
     def chunk_limit(self) -> int:
         return self.prefill_chunk_size or self.max_num_batched_tokens
 
+    # A GPU step costs about the same for 1 or 8k tokens until its matmuls fill the GPU: it wants
+    # far bigger batches than 2 CPU cores (the H100 measurements used these).
+    CUDA_DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
+
+    @classmethod
+    def for_device(cls, device: str, **overrides: int | None) -> SchedulerConfig:
+        """The defaults sized for `device` ("cpu" or "cuda[:N]"), with the given fields (those
+        not None) overriding them."""
+        values = dict(cls.CUDA_DEFAULTS) if device.startswith("cuda") else {}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -217,7 +229,7 @@ class EngineConfig:
     dtype: str | None = None  # None: bfloat16 where the CPU has native bf16 matmul, else float32
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = None  # type: ignore[assignment]  # None: for the device
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (CUDA: triton, else torch), torch, triton, reference
     seed: int = 0
@@ -234,6 +246,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.scheduler is None:
+            object.__setattr__(self, "scheduler", SchedulerConfig.for_device(self.device))
 
 
 def cpu_has_native_bf16() -> bool:

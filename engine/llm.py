@@ -20,12 +20,12 @@ class LLM:
 
     def __init__(self, model: str = "default", *, dtype: str | None = None,
                  config: EngineConfig | None = None, kv_cache_gb: float | None = None,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None):
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 device: str = "cpu"):
         if config is None:
-            limits = {k: v for k, v in (("max_num_batched_tokens", max_num_batched_tokens),
-                                        ("max_num_seqs", max_num_seqs)) if v is not None}
-            sched = SchedulerConfig(**limits)
-            config = EngineConfig(model=model, dtype=dtype, scheduler=sched,
+            sched = SchedulerConfig.for_device(device, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=max_num_batched_tokens)
+            config = EngineConfig(model=model, dtype=dtype, scheduler=sched, device=device,
                                   cache=CacheConfig(kv_cache_gb=kv_cache_gb))
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

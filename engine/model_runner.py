@@ -17,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
     kv_bytes_per_block,
 )
+from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
@@ -165,7 +166,7 @@ class ModelRunner:
         input_ids, positions, md, logits_rows = self._prepare(items)
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        rows = to_device(logits_rows, torch.int64, self.device)
         return PreparedStep(order, items, input_ids, positions, md, rows)
 
     def run(self, step: PreparedStep) -> StepResult:
@@ -212,12 +213,12 @@ class ModelRunner:
         for n in query_lens:
             starts.append(starts[-1] + n)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.int64, dev),
+            block_table=to_device(table, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            query_start_loc=to_device(starts, torch.int32, dev),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_lens_list=query_lens, seq_lens_list=seq_lens,
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), md, logits_rows)
+        return (to_device(ids, torch.int64, dev), to_device(positions, torch.int64, dev), md,
+                logits_rows)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_tensors import to_device
 from engine.request import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -35,21 +36,24 @@ class SamplingBatch:
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """`logits` [n, vocab] float32 → one token per row and, where asked, its logprobs."""
+        """`logits` [n, vocab] float32 → one token per row and, where asked, its logprobs.
+        Everything is computed on the logits' device; the host reads it once."""
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
             tokens = self._sample_random(logits, batch, greedy_tokens)
-        token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, batch, token_list)
+        wanted = [p.logprobs for p in batch.params]
+        if all(w is None for w in wanted):
+            return tokens.tolist(), [None] * len(wanted)
+        return _unpack(_with_logprobs(logits, tokens, wanted), len(wanted), wanted)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch,
                        greedy_tokens: torch.Tensor) -> torch.Tensor:
         device = logits.device
         params = batch.params
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                             device=device, dtype=torch.float32)
+        temps = to_device([p.temperature if not p.greedy else 1.0 for p in params],
+                          torch.float32, device)
         x = logits / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             x = _apply_top_k_top_p(x, params)
@@ -63,37 +67,49 @@ class Sampler:
                 gen.manual_seed(seed_for_step(p.seed, batch.output_indices[row]))
                 noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = to_device([p.greedy for p in params], torch.bool, device)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _logprobs(self, logits: torch.Tensor, batch: SamplingBatch, tokens: list[int]
-                  ) -> list[dict[int, float] | None]:
-        wanted = [p.logprobs for p in batch.params]
-        if all(w is None for w in wanted):
-            return [None] * len(tokens)
-        # Logprobs of the model's own distribution, before temperature and truncation.
-        logprobs = torch.log_softmax(logits, dim=-1)
-        top_n = max(w or 0 for w in wanted)
-        top_values, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
-        result: list[dict[int, float] | None] = []
-        for row, n in enumerate(wanted):
-            if n is None:
-                result.append(None)
-                continue
-            entry = {tokens[row]: float(chosen[row, 0])}
-            if n and top_ids is not None:
-                for tid, val in zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()):
-                    entry.setdefault(tid, val)
-            result.append(entry)
-        return result
+
+def _with_logprobs(logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None]
+                   ) -> torch.Tensor:
+    """One float64 vector on the device: the tokens, their logprobs, then (if any row asks for
+    alternatives) the top ids and their logprobs, row by row — read by the host in one go.
+    Logprobs are the model's own distribution, before temperature and truncation."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    parts = [tokens.to(torch.float64), chosen.to(torch.float64)]
+    top_n = max(w or 0 for w in wanted)
+    if top_n:
+        top_values, top_ids = logprobs.topk(top_n, dim=-1)
+        parts += [top_ids.to(torch.float64).flatten(), top_values.to(torch.float64).flatten()]
+    return torch.cat(parts)
+
+
+def _unpack(packed: torch.Tensor, n: int, wanted: list[int | None]
+            ) -> tuple[list[int], list[dict[int, float] | None]]:
+    values = packed.tolist()  # the step's one read of the device
+    tokens = [int(t) for t in values[:n]]
+    chosen = values[n:2 * n]
+    top_n = max(w or 0 for w in wanted)
+    top_ids, top_values = values[2 * n:2 * n + n * top_n], values[2 * n + n * top_n:]
+    result: list[dict[int, float] | None] = []
+    for row, want in enumerate(wanted):
+        if want is None:
+            result.append(None)
+            continue
+        entry = {tokens[row]: chosen[row]}
+        for k in range(row * top_n, row * top_n + want):
+            entry.setdefault(int(top_ids[k]), top_values[k])
+        result.append(entry)
+    return tokens, result
 
 
 def _apply_top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = x.shape[-1]
     device = x.device
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64, device)
+    top_p = to_device([p.top_p for p in params], torch.float32, device)
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k.clamp(max=vocab).unsqueeze(1)

@@ -74,8 +74,8 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
     torch.set_num_threads(options.threads)  # workers share the machine's cores
     cache = CacheConfig(kv_cache_gb=options.kv_cache_gb, shareable=exports_kv_cache(options),
                         gpu_memory_fraction=options.gpu_memory_fraction)
-    scheduler = (SchedulerConfig(max_num_batched_tokens=options.max_num_batched_tokens)
-                 if options.max_num_batched_tokens else SchedulerConfig())
+    scheduler = SchedulerConfig.for_device(
+        options.device, max_num_batched_tokens=options.max_num_batched_tokens)
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                                   scheduler=scheduler, device=options.device))
 

@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.splits import MAX_SPLITS, pick_num_splits
+
 TILE_N = 32  # keys per inner-loop tile (any multiple of 16; need not match the block size)
-MAX_SPLITS = 16
 
 
 def interpreting() -> bool:
@@ -180,14 +181,12 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 def _pick_splits(num_seqs: int, n_kv: int, max_query_len: int, max_seq_len: int,
                  device: torch.device) -> int:
-    """Split-KV for decode when sequences x KV heads leave the GPU's SMs idle: enough splits for
-    about two programs per SM, each split at least two key tiles."""
-    if max_query_len != 1 or device.type != "cuda":
+    """Split-KV for decode when sequences x KV heads leave the GPU's SMs idle (the rule:
+    engine.attention.splits)."""
+    if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, max(1, num_seqs * n_kv))
-    by_length = max(1, max_seq_len // (2 * TILE_N))
-    return min(MAX_SPLITS, triton.next_power_of_2(min(wanted, by_length)))
+    return pick_num_splits(num_seqs, n_kv, max_query_len, max_seq_len, sms)
 
 
 def paged_attention_triton(

@@ -105,7 +105,7 @@ def test_fp16_without_the_upcast(case):
     check("triton", tensors, kwargs, torch.float16, upcast=False)
 
 
-@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("splits", [2, 4, 16, 64])
 @pytest.mark.parametrize(("q_lens", "seq_lens"), [([1, 1, 1], [300, 129, 40]), ([1, 7], [130, 40])],
                          ids=["long_decode", "decode_and_chunk"])
 def test_split_kv(q_lens, seq_lens, splits):
