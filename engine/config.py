@@ -232,6 +232,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = None  # type: ignore[assignment]  # None: for the device
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (CUDA: triton, else torch), torch, triton, reference
+    # Residual + RMSNorm, RoPE and SiLU·up as fused Triton kernels (engine.models.fused). Off until
+    # a GPU run proves it faster; on CPU it needs TRITON_INTERPRET=1 (tests).
+    fused_kernels: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -144,7 +144,12 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.block_size = config.cache.block_size
         weights = load_weights(model_path, model_config, self.dtype, self.device)
-        self.model = LlamaModel(model_config, weights, max_positions=max_model_len)
+        if config.fused_kernels and self.device.type == "cpu" \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("fused_kernels runs Triton kernels: on CUDA, or on CPU under "
+                             "TRITON_INTERPRET=1")
+        self.model = LlamaModel(model_config, weights, max_positions=max_model_len,
+                                fused=config.fused_kernels)
         self.num_blocks = num_kv_blocks(config.cache, model_config, self.dtype, self.device,
                                         config.scheduler)
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,

@@ -114,12 +114,35 @@ class DecoderLayer:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      kv_cache: torch.Tensor, md: AttentionMetadata,
+                      attention: AttentionBackend) -> torch.Tensor:
+        """`forward` with the element-wise chains as fused Triton kernels (models.fused)."""
+        from engine.models import fused
+
+        _, x = fused.add_rms_norm(h, None, self.input_norm, self.eps)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = h.shape[0]
+        q = fused.rope_(q.view(t, self.n_heads, self.head_dim), *rope)
+        k = fused.rope_(k.view(t, self.n_kv, self.head_dim), *rope)
+        v = v.view(t, self.n_kv, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        attention.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                         scale=self.scale, max_query_len=md.max_query_len,
+                         max_seq_len=md.max_seq_len, new_kv=(k, v))
+        h, x = fused.add_rms_norm(h, self.o_proj(attn.reshape(t, self.q_size)),
+                                  self.post_attention_norm, self.eps)
+        return h + self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+
 
 class LlamaModel:
     """The whole decoder; `forward` returns fp32 logits for the rows in `logits_indices`."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+                 fused: bool = False):
         self.config = config
+        self.fused = fused  # the element-wise chains as fused Triton kernels (GPU; off: unproven)
         self.embed = weights["embed"]
         self.lm_head = Linear(weights.get("lm_head", self.embed))
         self.norm = weights["norm"]
@@ -138,7 +161,8 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer.forward(h, rope, kv_cache, md, attention)
+            run = layer.forward_fused if self.fused else layer.forward
+            h = run(h, rope, kv_cache, md, attention)
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(h).float()
 
