@@ -159,6 +159,15 @@ class ModelRunner:
         self.kv_caches = self.kv_buffer.layers
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
+        if self.attention.name == "triton" and self.device.type == "cuda":
+            self._warm_up(model_config)
+
+    def _warm_up(self, model_config: ModelConfig) -> None:
+        """Compile the attention kernels' variants now, not in the first requests."""
+        from engine.attention.warmup import warm_up_attention
+
+        warm_up_attention(model_config.num_heads, model_config.num_kv_heads,
+                          model_config.head_dim, self.block_size, self.dtype, self.device)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.run(self.prepare_inputs(out))
