@@ -87,12 +87,14 @@ class DecodeWorker:
         """dist transport: receive the prompt's KV into the reserved blocks (KeyError: no such
         reservation; ValueError: shape/dtype mismatch; TransferError: the transfer failed)."""
         engine = self.loop.engine
+        began = False
         try:
             request = self.table.begin_receive(request_id)
+            began = True
             _check_shape(engine, request.block_ids, num_blocks, dtype)
         except (KeyError, ValueError) as exc:
             self.receiver.refuse(sender_id, generation, tag, str(exc))
-            if self.table.writer_of(request_id) == "":
+            if began:  # only the receive this call began: another may be writing
                 self.table.end_receive(request_id, ok=False)
             raise
         ok = False

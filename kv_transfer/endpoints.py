@@ -114,8 +114,11 @@ class KVSender:
                 self.registry.tear_down(key)
                 with self._lock:
                     self._stores.pop(store_address, None)
+                # Only the backend's own errors say the pair is impossible (a refusal's text
+                # quotes request ids, which clients choose).
+                permanent = not isinstance(exc, TransferError) and will_repeat(exc)
                 raise TransferError(f"sending KV to {receiver_id}: {exc}",
-                                    permanent=will_repeat(exc)) from exc
+                                    permanent=permanent) from exc
 
     def _forget_if_moved(self, key: str, receiver_id: str, store_address: str) -> None:
         """A receiver that comes back under the same id (a restarted actor) hosts its store at a

@@ -78,11 +78,13 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
                 dst_ids: Sequence[int]) -> int:
     """Copy blocks between whole caches ([layers, 2, blocks, ...]) and wait until the copy is
     complete; returns the bytes copied."""
-    for s, d, n in block_runs(src_ids, dst_ids):
-        dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
-    for device in {src.device, dst.device}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    try:
+        for s, d, n in block_runs(src_ids, dst_ids):
+            dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
+    finally:  # also after a failed launch: runs already queued must be done before we report
+        for device in {src.device, dst.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
     per_block = src[:, :, 0].numel() * src.element_size()
     return per_block * len(src_ids)
 
@@ -123,6 +125,10 @@ class KVExporter:
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress
+        except OSError:
+            pass
         self._listener.close()
 
     def _accept(self) -> None:
@@ -135,7 +141,8 @@ class KVExporter:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        mapping_id, key = next(self._ids), ""
+        mapping_id, key, pid = next(self._ids), "", 0
+        said_bye = False
         try:
             with conn:
                 pid = check_same_user(conn)
@@ -144,20 +151,18 @@ class KVExporter:
                 send_cache(conn, mapping_id, self.buffer.tensor, self.device, self.buffer.fd,
                            self.buffer.num_bytes)
                 conn.settimeout(None)
-                if not self._answer_until_closed(conn, key):
-                    self._await_exit(key, pid)
+                said_bye = self._answer_until_closed(conn, key)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("KV export mapping %s ended: %s", key or mapping_id, exc)
-        finally:
-            if key:
-                self.handler.writer_gone(key)
+        if key and (said_bye or self._writer_exited(key, pid)):
+            self.handler.writer_gone(key)
 
     def _answer_until_closed(self, conn: socket.socket, key: str) -> bool:
         """Serve the writer's begin/finish requests until it closes; True if it said bye."""
         while True:
             try:
                 message = json.loads(recv_frame(conn))
-            except ValueError:  # closed (mid-frame or between frames) without a goodbye
+            except (OSError, ValueError):  # closed or reset without a goodbye
                 return False
             if message["op"] == "bye":
                 return True
@@ -177,13 +182,19 @@ class KVExporter:
         except (KeyError, ValueError) as exc:
             return {"error": str(exc)[:500]}
 
-    @staticmethod
-    def _await_exit(key: str, pid: int) -> None:
-        """The writer vanished without a goodbye: it died. Wait until it has finished exiting —
-        a dying process's queued GPU copies end with its CUDA context, not with its socket."""
-        if not wait_until_dead(pid, WRITER_EXIT_TIMEOUT_S):
-            log.warning("mapping %s closed without a goodbye and writer pid %d did not finish "
-                        "exiting within %.0fs", key, pid, WRITER_EXIT_TIMEOUT_S)
+    def _writer_exited(self, key: str, pid: int) -> bool:
+        """The writer vanished without a goodbye: it died. On CPU nothing of its can land after
+        that; a dying process's queued GPU copies end with its CUDA context, not its socket, so
+        on a GPU wait until it has finished exiting — and if that cannot be seen (a pid hidden by
+        another pid namespace, or still exiting after the timeout), keep its blocks reserved:
+        leaking them is safe, reusing them is not."""
+        if self.buffer.tensor.device.type != "cuda" or wait_until_dead(pid,
+                                                                       WRITER_EXIT_TIMEOUT_S):
+            return True
+        log.error("mapping %s closed without a goodbye and writer pid %d was not seen to exit "
+                  "within %.0fs: the blocks it was writing stay reserved", key, pid,
+                  WRITER_EXIT_TIMEOUT_S)
+        return False
 
 
 # ---- prefill side --------------------------------------------------------------------------
@@ -211,13 +222,16 @@ class SharedSender:
                 log.warning("fault injection: pausing %.1fs inside the write",
                             self.pause_in_write_s)
                 time.sleep(self.pause_in_write_s)
-            start = time.perf_counter()
+            start, copied = time.perf_counter(), False
             try:
                 num_bytes = copy_blocks(src, src_ids, mapping.cache, dst_ids)
+                copied = True
             except Exception as exc:  # noqa: BLE001 - any copy failure ends the write
-                self._call(mapping, receiver_id, {"op": "finish", "request_id": request_id,
-                                                  "ok": False, "num_bytes": 0, "seconds": 0})
                 raise TransferError(f"copying KV into {receiver_id}'s cache: {exc}") from exc
+            finally:
+                if not copied:  # whatever stopped the copy, the write is over: say so
+                    self._call(mapping, receiver_id, {"op": "finish", "request_id": request_id,
+                                                      "ok": False, "num_bytes": 0, "seconds": 0})
             seconds = time.perf_counter() - start
             reply = self._call(mapping, receiver_id, {
                 "op": "finish", "request_id": request_id, "ok": True, "num_bytes": num_bytes,
@@ -247,8 +261,12 @@ class SharedSender:
             try:
                 mapping = map_peer(self.worker_id, address, like, self.timeout_s)
             except (OSError, ValueError, RuntimeError) as exc:
+                # No export by that name here (it died, or lives in another network namespace),
+                # another layout, GPU or user: it will not work later either. A timeout or a
+                # reset mid-handshake may.
+                permanent = isinstance(exc, (ConnectionRefusedError, ValueError, RuntimeError))
                 raise TransferError(f"cannot map {receiver_id}'s KV cache at {address}: {exc}",
-                                    permanent=True) from exc
+                                    permanent=permanent) from exc
             self._mappings[address] = mapping
             return mapping
 

@@ -54,26 +54,35 @@ class PeerMapping:
 def map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
              ) -> PeerMapping:
     """Connect to a decode worker's export and map its cache (checked against ours: same layer
-    count, block size, heads, head size and dtype)."""
+    count, block size, heads, head size and dtype). ValueError (or ConnectionRefusedError: no
+    such export in this network namespace) when it can never work; other OSErrors may pass."""
     if not address.startswith("@"):
         raise ValueError(f"not an abstract Unix socket name: {address!r}")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(min(timeout_s, HANDSHAKE_TIMEOUT_S))
         conn.connect("\0" + address[1:])
+        check_same_user(conn)  # whoever holds that name must be one of ours
         send_frame(conn, json.dumps({"writer": worker_id}).encode())
         header, fds = _recv_header(conn)
         cache, keep = _open_cache(header, fds, conn)
+        if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
+                or cache.shape[3:] != like.shape[3:]:
+            raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
+                             f"{tuple(like.shape)} {like.dtype}: the layouts differ")
         conn.settimeout(None)
     except BaseException:
-        conn.close()
+        _say_bye_and_close(conn)  # nothing was written through it
         raise
-    if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
-            or cache.shape[3:] != like.shape[3:]:
-        conn.close()
-        raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
-                         f"{tuple(like.shape)} {like.dtype}: the layouts differ")
     return PeerMapping(address, int(header["mapping_id"]), cache, conn, keep)
+
+
+def _say_bye_and_close(conn: socket.socket) -> None:
+    try:
+        send_frame(conn, json.dumps({"op": "bye"}).encode())
+    except OSError:
+        pass
+    conn.close()
 
 
 def _open_cache(header: dict, fds: list[int], conn: socket.socket
@@ -91,14 +100,19 @@ def _open_cache(header: dict, fds: list[int], conn: socket.socket
             os.close(fds[0])  # the mapping keeps the memory
         return torch.frombuffer(mapped, dtype=dtype).view(shape), mapped
     if header["kind"] == "cuda-ipc":
-        rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-user peer
-        cache = rebuild(*args)
-        here = f"cuda:{torch.cuda.get_device_properties(cache.device).uuid}"
-        if here != header["device"]:
-            raise ValueError(f"the peer's GPU {header['device']} opened as {here} here "
-                             f"(the two processes number their GPUs differently)")
-        return cache, None
+        rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-uid peer
+        # rebuild_cuda_tensor's 7th argument is the exporter's device index; this process may
+        # number its GPUs differently (CUDA_VISIBLE_DEVICES): open it on the one with that UUID.
+        args = (*args[:6], _local_gpu_index(header["device"]), *args[7:])
+        return rebuild(*args), None
     raise ValueError(f"unknown export kind {header['kind']!r}")
+
+
+def _local_gpu_index(device: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if f"cuda:{torch.cuda.get_device_properties(index).uuid}" == device:
+            return index
+    raise ValueError(f"GPU {device} is not visible to this process")
 
 
 def check_same_user(conn: socket.socket) -> int:
@@ -106,15 +120,17 @@ def check_same_user(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     if uid != os.getuid():
-        raise ValueError(f"a process of uid {uid} asked for the KV cache: refused")
+        raise ValueError(f"the peer process runs as uid {uid}, not {os.getuid()}: refused")
     return pid
 
 
 def wait_until_dead(pid: int, timeout_s: float) -> bool:
     """Wait until process `pid` has finished exiting (gone, or a zombie: every resource released,
     its GPU context included); False after `timeout_s` (or when its pid is hidden from us)."""
+    if pid <= 0:
+        return False
     deadline = time.monotonic() + timeout_s
-    while pid > 0 and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -122,7 +138,6 @@ def wait_until_dead(pid: int, timeout_s: float) -> bool:
         if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
             return True
         time.sleep(0.05)
-    time.sleep(max(0.0, deadline - time.monotonic()))  # a hidden pid: the whole grace
     return False
 
 
@@ -147,7 +162,7 @@ def recv_frame(conn: socket.socket) -> bytes:
 
 def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
     """The header frame, with any file descriptors sent alongside its length."""
-    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1)
+    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1, socket.MSG_CMSG_CLOEXEC)
     if len(prefix) < _LENGTH.size:
         prefix += _recv_exact(conn, _LENGTH.size - len(prefix))
     (length,) = _LENGTH.unpack(prefix)

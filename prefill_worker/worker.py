@@ -4,11 +4,12 @@ the blocks only after the decode worker acknowledges."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -73,7 +74,6 @@ class ShipPlan:
     target: DecodeTarget
     blocks: list[int]  # our block ids, in the order of target.block_ids
     dtype: str
-    acks: list[Callable[[float], object]] = field(default_factory=list)
 
 
 class PrefillWorker:
@@ -183,6 +183,10 @@ class PrefillWorker:
             automatic = self.place.mode == "auto" and plan.target.place.mode == "auto"
             if not (exc.permanent and automatic):
                 raise
+            try:  # dist must be possible for this pair too (not two workers on one GPU)
+                choose_transport(dataclasses.replace(self.place, mode="dist"), plan.target.place)
+            except TransportRefused as refused:
+                raise TransferError(f"{exc}; and {refused}", permanent=True) from exc
             log.warning("%s; KV to %s goes over dist instead", exc, plan.target.worker_id)
             self.unmappable.add(plan.target.export_address)
             return self._send_dist(plan)

@@ -33,9 +33,9 @@ class PlacementPolicy:
         self.registry = registry
         self._pending_tokens: dict[str, int] = defaultdict(int)
         self._pending_blocks: dict[str, int] = defaultdict(int)
-        # (prefill id, its address, decode id, its address) -> why. A worker that restarts comes
-        # back at a new address, so its past failures do not count against it.
-        self._broken: dict[tuple[str, str, str, str], str] = {}
+        # (prefill id and address, decode id, address and export) -> why. A worker that restarts
+        # comes back at a new address or export, so its past failures do not count against it.
+        self._broken: dict[tuple[str, ...], str] = {}
         self._lock = threading.Lock()
 
     def refusal(self, prefill: Worker, decode: Worker) -> str | None:
@@ -127,8 +127,10 @@ class PlacementPolicy:
                 del self._pending_blocks[charge.worker_id]
 
 
-def _pair(prefill: Worker, decode: Worker) -> tuple[str, str, str, str]:
-    return (prefill.worker_id, prefill.address, decode.worker_id, decode.address)
+def _pair(prefill: Worker, decode: Worker) -> tuple[str, ...]:
+    # The export address is new in every decode process, even one restarted on the same port.
+    return (prefill.worker_id, prefill.address, decode.worker_id, decode.address,
+            decode.kv_export_address)
 
 
 class Suspects:

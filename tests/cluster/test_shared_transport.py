@@ -108,3 +108,24 @@ def test_a_writer_counts_as_dead_once_it_has_finished_exiting():
     assert wait_until_dead(child.pid, 10.0)  # a zombie (not reaped yet) has released everything
     child.wait()
     assert wait_until_dead(child.pid, 10.0)  # gone
+
+
+def test_a_silent_export_times_out_as_a_transient_failure():
+    """An export that accepts but never answers (a decode worker too busy to reply): the
+    handshake times out — worth another try later, not a broken pair."""
+    import socket
+
+    from kv_transfer.errors import TransferError
+    from kv_transfer.shared import SharedSender
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind("\0pdserve-kv-silent-test")
+    silent.listen(1)
+    try:
+        sender = SharedSender("prefill-t", timeout_s=0.5)
+        with pytest.raises(TransferError) as failed:
+            sender.send("decode-s", "@pdserve-kv-silent-test", "r1", shared_peers.source_cache(),
+                        [0], [0])
+        assert not failed.value.permanent and "cannot map" in str(failed.value)
+    finally:
+        silent.close()
