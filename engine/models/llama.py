@@ -104,15 +104,20 @@ class DecoderLayer:
         q = apply_rope(q.view(t, self.n_heads, self.head_dim), *rope)
         k = apply_rope(k.view(t, self.n_kv, self.head_dim), *rope)
         v = v.view(t, self.n_kv, self.head_dim)
+        h = h + self.o_proj(self._attend(q, k, v, kv_cache, md, attention))
+        x = rms_norm(h, self.post_attention_norm, self.eps)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        """Store this step's K/V in the layer's cache, attend; [T, q_size]."""
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         attention.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
                          max_seq_len=md.max_seq_len, new_kv=(k, v))
-        h = h + self.o_proj(attn.reshape(t, self.q_size))
-        x = rms_norm(h, self.post_attention_norm, self.eps)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return attn.reshape(q.shape[0], self.q_size)
 
     def forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                       kv_cache: torch.Tensor, md: AttentionMetadata,
@@ -126,12 +131,7 @@ class DecoderLayer:
         q = fused.rope_(q.view(t, self.n_heads, self.head_dim), *rope)
         k = fused.rope_(k.view(t, self.n_kv, self.head_dim), *rope)
         v = v.view(t, self.n_kv, self.head_dim)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        attention.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
-        attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                         scale=self.scale, max_query_len=md.max_query_len,
-                         max_seq_len=md.max_seq_len, new_kv=(k, v))
-        h, x = fused.add_rms_norm(h, self.o_proj(attn.reshape(t, self.q_size)),
+        h, x = fused.add_rms_norm(h, self.o_proj(self._attend(q, k, v, kv_cache, md, attention)),
                                   self.post_attention_norm, self.eps)
         return h + self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
