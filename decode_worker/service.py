@@ -45,6 +45,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                              f"KV cache full: {exc}")
         return pb.ReserveResponse(block_ids=reserved.block_ids,
                                   transfer_address=reserved.transfer_address,
+                                  num_cached_blocks=reserved.num_cached_blocks,
                                   decode_worker_id=self.worker.worker_id)
 
     def ReceiveKV(self, request: pb.ReceiveKVRequest, context: grpc.ServicerContext
@@ -97,6 +98,8 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
 
 def _chunk(output: RequestOutput) -> pb.TokenChunk:
     chunk = pb.TokenChunk(token_ids=output.new_token_ids)
+    if len(output.token_ids) == len(output.new_token_ids):  # the first chunk
+        chunk.cached_tokens = output.num_cached_tokens
     if output.logprobs is not None:
         offset = len(output.token_ids) - len(output.new_token_ids)
         chunk.logprobs.extend(logprob_to_proto(t, output.logprobs[offset + i])

@@ -13,7 +13,7 @@ import torch
 
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
 from kv_transfer import KVExporter, KVReceiver, TransferError, TransferStats
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
@@ -30,8 +30,11 @@ class NoRoom(Exception):
 
 @dataclass(frozen=True)
 class ReservedBlocks:
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks the prompt's KV is to be written into
     transfer_address: str
+    # The prompt's first blocks already sit in this worker's prefix cache: they are shared with
+    # the request and not sent again; `block_ids` are the blocks after them.
+    num_cached_blocks: int = 0
 
 
 class DecodePolicy:
@@ -70,7 +73,7 @@ class DecodeWorker:
                 lease_s: float) -> ReservedBlocks:
         """ValueError on bad input, NoRoom when the blocks do not fit right now."""
 
-        def run(engine: LLMEngine) -> list[int]:
+        def run(engine: LLMEngine) -> ReservedBlocks:
             if request_id in self.table:
                 raise ValueError(f"request_id {request_id!r} already holds a reservation")
             request = engine.new_request(token_ids, params, request_id)
@@ -78,9 +81,10 @@ class DecodeWorker:
                 raise NoRoom(f"{engine.block_manager.blocks_needed(len(token_ids))} KV blocks "
                              f"needed, {engine.block_manager.num_free_blocks} free")
             self.table.add(request, lease_s)
-            return list(request.block_ids)
+            cached = _num_cached_blocks(engine, request)
+            return ReservedBlocks(list(request.block_ids[cached:]), self.transfer_address, cached)
 
-        return ReservedBlocks(self.loop.call(run, COMMAND_TIMEOUT_S), self.transfer_address)
+        return self.loop.call(run, COMMAND_TIMEOUT_S)
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
                    num_blocks: int, dtype: str) -> TransferStats:
@@ -91,7 +95,7 @@ class DecodeWorker:
         try:
             request = self.table.begin_receive(request_id)
             began = True
-            _check_shape(engine, request.block_ids, num_blocks, dtype)
+            _check_shape(engine, _fresh_blocks(engine, request), num_blocks, dtype)
         except (KeyError, ValueError) as exc:
             self.receiver.refuse(sender_id, generation, tag, str(exc))
             if began:  # only the receive this call began: another may be writing
@@ -100,7 +104,7 @@ class DecodeWorker:
         ok = False
         try:
             stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
-                                          list(request.block_ids))
+                                          _fresh_blocks(engine, request))
             ok = True
             self.metrics.transfer("received", stats.num_bytes, stats.seconds, "dist")
             return stats
@@ -118,7 +122,8 @@ class DecodeWorker:
         on, until end_write or the mapping closes). Runs on that mapping's exporter thread."""
         request = self.table.begin_receive(request_id, writer)
         try:
-            _check_shape(self.loop.engine, request.block_ids, num_blocks, dtype)
+            _check_shape(self.loop.engine, _fresh_blocks(self.loop.engine, request), num_blocks,
+                         dtype)
         except ValueError:
             self.table.end_receive(request_id, ok=False)
             raise
@@ -195,6 +200,15 @@ class DecodeWorker:
         if self.exporter is not None:
             self.exporter.close()
         self.loop.stop()
+
+
+def _num_cached_blocks(engine: LLMEngine, request: Request) -> int:
+    return request.num_cached_tokens // engine.block_manager.block_size
+
+
+def _fresh_blocks(engine: LLMEngine, request: Request) -> list[int]:
+    """A reservation's blocks that a transfer writes (those after its prefix-cache hits)."""
+    return list(request.block_ids[_num_cached_blocks(engine, request):])
 
 
 def _check_shape(engine: LLMEngine, block_ids: list[int], num_blocks: int, dtype: str) -> None:

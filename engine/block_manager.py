@@ -10,16 +10,35 @@ free blocks go to the front, cached blocks to the back, so a hit survives as lon
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
 
+MAX_PUBLISHED_HASHES = 32768  # a digest beyond this keeps the most recently cached blocks
+
 
 def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """Key of a full block: its tokens, chained to the key of the block before it."""
-    return hash((parent, tuple(token_ids)))
+    """Key of a full block: its tokens, chained to the key of the block before it. Stable across
+    processes and Python versions (not `hash()`: None's hash differs per process before 3.12),
+    so a router can compute the keys a worker's prefix cache holds."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update((parent or 0).to_bytes(8, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The keys of every full block of `token_ids`, in order."""
+    keys: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
 
 
 @dataclass
@@ -53,6 +72,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._evictable: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        self.prefix_version = 0  # changes whenever the set of cached keys does
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
 
@@ -96,6 +116,12 @@ class BlockManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
+    def published_hashes(self, limit: int = MAX_PUBLISHED_HASHES) -> list[int]:
+        """The keys of the blocks whose KV this cache holds (in use or evictable), the most
+        recently cached last: what a router's cache-aware placement needs to know."""
+        keys = list(self._by_hash)
+        return keys[-limit:]
+
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
@@ -116,6 +142,7 @@ class BlockManager:
             if block.hash is None and key not in self._by_hash:
                 block.hash, block.token_ids = key, tokens
                 self._by_hash[key] = block.block_id
+                self.prefix_version += 1
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
@@ -197,4 +224,5 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         if block.hash is not None and self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]
+            self.prefix_version += 1
         block.hash, block.token_ids = None, ()

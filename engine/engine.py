@@ -130,9 +130,18 @@ class LLMEngine:
 
     # ---- disaggregated prefill/decode -----------------------------------------------------
     def reserve(self, request: Request) -> bool:
-        """Allocate blocks for the prompt's KV, which a transfer will write; False (nothing
-        allocated) when they do not fit."""
-        return self.block_manager.allocate_slots(request, request.num_prompt_tokens)
+        """Allocate blocks for the prompt's KV; False (nothing allocated) when they do not fit.
+        The prompt's longest prefix already in this prefix cache is shared, not reserved afresh:
+        its blocks come first in `block_ids` (`request.num_cached_tokens` of them by tokens) and
+        a transfer writes only the fresh blocks after them."""
+        bm = self.block_manager
+        hits = bm.find_cached_prefix(request)
+        num_hit = len(hits) * bm.block_size
+        if not bm.allocate_slots(request, request.num_prompt_tokens - num_hit, hits):
+            return False
+        bm.record_prefix_lookup(request.num_prompt_tokens, num_hit)
+        request.num_cached_tokens = num_hit
+        return True
 
     def admit_prefilled(self, request: Request, first_token: int,
                         logprobs: dict[int, float] | None = None) -> RequestOutput:

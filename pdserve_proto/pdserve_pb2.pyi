@@ -98,20 +98,22 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport")
+    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport", "prefill_site")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SITE_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     e2e_s: float
     kv_transfer_s: float
     kv_transfer_bytes: int
     kv_transport: str
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    prefill_site: str
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_site: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -223,18 +225,28 @@ class ClusterStatus(_message.Message):
     def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks")
+    __slots__ = ("queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "prefix")
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     queued_prompt_tokens: int
     running_requests: int
     waiting_requests: int
     free_blocks: int
     total_blocks: int
-    def __init__(self, queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    prefix: PrefixDigest
+    def __init__(self, queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., prefix: _Optional[_Union[PrefixDigest, _Mapping]] = ...) -> None: ...
+
+class PrefixDigest(_message.Message):
+    __slots__ = ("version", "block_hashes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_export_address")
@@ -301,14 +313,16 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "transfer_address", "decode_worker_id")
+    __slots__ = ("block_ids", "transfer_address", "decode_worker_id", "num_cached_blocks")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_address: str
     decode_worker_id: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob")
@@ -349,16 +363,18 @@ class ReceiveKVResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     stop_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -373,7 +389,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address", "decode_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +401,7 @@ class PrefillRequest(_message.Message):
     DECODE_KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -396,7 +413,8 @@ class PrefillRequest(_message.Message):
     decode_kv_device: str
     decode_kv_transport: str
     decode_kv_export_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ...) -> None: ...
+    decode_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "finish_reason", "stop_reason", "kv_transport")

@@ -106,7 +106,7 @@ def _target(request: pb.PrefillRequest) -> DecodeTarget:
                         request.decode_kv_device or "cpu", request.decode_kv_transport or "auto")
     return DecodeTarget(request.decode_worker_id, request.decode_address,
                         request.transfer_address, list(request.decode_block_ids), place,
-                        request.decode_kv_export_address)
+                        request.decode_kv_export_address, request.decode_cached_blocks)
 
 
 def _response(result: PrefillResult) -> pb.PrefillResponse:

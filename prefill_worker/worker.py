@@ -44,6 +44,9 @@ class DecodeTarget:
     block_ids: list[int]
     place: KVPlace | None = None  # where its cache lives (None: an unknown place, dist only)
     export_address: str = ""  # its cache's export (shared transport)
+    # The prompt's first blocks the decode worker holds already (its prefix cache): not sent;
+    # `block_ids` receive our blocks after them.
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,13 @@ class PrefillWorker:
             request = engine.new_request(token_ids, params, request_id)
             check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
             needed = engine.block_manager.blocks_needed(len(token_ids))
-            if len(target.block_ids) != needed:
+            if not 0 <= target.num_cached_blocks < needed:
+                raise ValueError(f"decode_cached_blocks is {target.num_cached_blocks}; the "
+                                 f"prompt has {needed} blocks and the last is always sent")
+            if len(target.block_ids) != needed - target.num_cached_blocks:
                 raise ValueError(f"decode_block_ids has {len(target.block_ids)} blocks; the "
-                                 f"prompt needs {needed}")
+                                 f"prompt needs {needed - target.num_cached_blocks} after "
+                                 f"{target.num_cached_blocks} the decode worker holds")
             self.loop.sinks[request_id] = lambda item: self._on_first(item, target, done)
             engine.scheduler.add(request)
 
@@ -139,7 +146,8 @@ class PrefillWorker:
     def _ship(self, request: Request, first: RequestOutput, target: DecodeTarget,
               done: Future[PrefillResult]) -> None:
         engine = self.loop.engine
-        plan = ShipPlan(request, target, request.block_ids[:len(target.block_ids)],
+        skip = target.num_cached_blocks
+        plan = ShipPlan(request, target, request.block_ids[skip:skip + len(target.block_ids)],
                         str(engine.dtype).removeprefix("torch."))
         transport = "dist"
         try:

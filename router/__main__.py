@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port (0: any free port, shown at start)")
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
+    _add_placement_args(serve)
     launch = sub.add_parser("launch", help="run router + workers locally")
     launch.add_argument("--prefill", type=int, default=1)
     launch.add_argument("--decode", type=int, default=1)
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--kv-cache-gb", type=float, default=None)
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
     _add_gpu_args(launch)
+    _add_placement_args(launch)
     client = sub.add_parser("client", help="stream a generation")
     client.add_argument("prompt", nargs="?", default=None)
     client.add_argument("--chat", default=None, help="a user message (chat template applied)")
@@ -72,6 +74,42 @@ def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
                              "host, else dist)")
 
 
+def _add_placement_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--placement", default="cache-aware", choices=["cache-aware", "load"],
+                        help="cache-aware: prefer workers whose prefix cache holds the prompt's "
+                             "start, weighed against their queues; load: queues only")
+    parser.add_argument("--local-prefill", default="auto", choices=["auto", "off"],
+                        help="auto: a decode worker prefills short prompts (and any prompt when "
+                             "the prefill workers are backed up) itself; off: prefill workers "
+                             "always do")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=512,
+                        help="auto: the prefill work (queued + this prompt) up to which a "
+                             "decode worker prefills locally")
+    parser.add_argument("--queue-policy", default="short_first", choices=["fcfs", "short_first"],
+                        help="which request queued in the router gets the next free slot "
+                             "(short_first: fewest prompt tokens, within the age bound)")
+    parser.add_argument("--queue-age-bound-s", type=float, default=4.0,
+                        help="short_first: a request queued longer than this goes first")
+
+
+def placement_options(args: argparse.Namespace) -> dict[str, object]:
+    """RouterOptions fields from the placement flags (ValueError on bad values)."""
+    from router.prefill_site import PrefillSiteConfig
+
+    return {"cache_aware": args.placement == "cache-aware",
+            "local_prefill": PrefillSiteConfig(args.local_prefill,
+                                               args.local_prefill_max_tokens),
+            "queue_policy": args.queue_policy, "queue_age_bound_s": args.queue_age_bound_s}
+
+
+def placement_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The same flags, for the router process `launch` starts."""
+    return ("--placement", args.placement, "--local-prefill", args.local_prefill,
+            "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
+            "--queue-policy", args.queue_policy, "--queue-age-bound-s",
+            str(args.queue_age_bound_s))
+
+
 def launch_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster `launch` starts; on CUDA without --gpus, every visible GPU (found without
     torch: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`). Raises ValueError or GpuError."""
@@ -88,7 +126,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads=args.threads, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
                        device=args.device, gpus=gpus,
                        gpu_memory_fraction=args.gpu_memory_fraction,
-                       kv_transport=args.kv_transport)
+                       kv_transport=args.kv_transport, router_args=placement_argv(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,15 +137,22 @@ def main(argv: list[str] | None = None) -> int:
         from router.server import RouterOptions
         from router.server import serve as run_router
 
-        return run_router(RouterOptions(
-            host=args.host, port=args.port, model=args.model,
-            heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
-            max_queued=args.max_queued, metrics_port=args.metrics_port, grace_s=args.grace_s))
+        try:
+            options = RouterOptions(
+                host=args.host, port=args.port, model=args.model,
+                heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
+                max_queued=args.max_queued, metrics_port=args.metrics_port,
+                grace_s=args.grace_s, **placement_options(args))
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_router(options)
     if args.command == "launch":
         from router.gpus import GpuError
         from router.launch import run_until_interrupted
+        from router.server import RouterOptions
 
         try:
+            RouterOptions(**placement_options(args))  # bad values fail here, not in the router
             spec = launch_spec(args)
         except (ValueError, GpuError) as exc:
             parser.error(str(exc))

@@ -57,6 +57,10 @@ class RouterMetrics:
         self.kv_transfer_seconds = Counter("pdserve_router_kv_transfer_seconds", "Seconds "
                                            "spent moving KV, by transport", ["transport"],
                                            registry=self.registry)
+        self.prefill_sites = Counter("pdserve_router_prefill_sites", "Where prompts of "
+                                     "disaggregated requests were prefilled: remote (a prefill "
+                                     "worker) or local (the decode worker), and why",
+                                     ["site", "reason"], registry=self.registry)
         self.http_port = 0
 
     def watch(self, queued: Callable[[], int], running: Callable[[], int],

@@ -9,7 +9,6 @@ holds on any path but success. Yields domain events; the servicer turns them int
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -18,9 +17,11 @@ import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from router.calls import CallScope, RouterError, worker_error
+from router.events import Finished, Tokens, continuation
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from router.placement import Charge, PlacementPolicy, Suspects
+from router.prefill_site import PrefillSitePolicy
 from router.registry import Role, Worker
 from router.stubs import WorkerStubs
 from serving.convert import sampling_to_proto
@@ -31,28 +32,12 @@ MAX_ATTEMPTS = 4  # per request: the first try plus retries and migrations
 PLACEMENT_POLL_S = 0.05  # how often a request waiting for KV room looks again
 
 
-@dataclasses.dataclass
-class Tokens:
-    token_ids: list[int]
-    logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Finished:
-    finish_reason: int
-    stop_reason: str
-    cached_tokens: int = 0
-    kv_transfer_s: float = 0.0
-    kv_transfer_bytes: int = 0
-    kv_transport: str = ""
-    prefill_started: float = 0.0
-    attempts: int = 1
-
-
 class Orchestrator:
     def __init__(self, placement: PlacementPolicy, stubs: WorkerStubs, metrics: RouterMetrics,
-                 lease_s: float = 30.0, max_attempts: int = MAX_ATTEMPTS):
+                 lease_s: float = 30.0, max_attempts: int = MAX_ATTEMPTS,
+                 sites: PrefillSitePolicy | None = None):
         self.placement = placement
+        self.sites = sites or PrefillSitePolicy()
         self.registry = placement.registry
         self.stubs = stubs
         self.metrics = metrics
@@ -69,7 +54,7 @@ class Orchestrator:
                 end.finish_reason = pb.FINISH_REASON_LENGTH
                 yield end
                 return
-            part = _continuation(job, emitted, attempt)
+            part = continuation(job, emitted, attempt)
             try:
                 for event in self._attempt(part, scope, suspects, end):
                     if isinstance(event, Tokens):
@@ -87,10 +72,13 @@ class Orchestrator:
 
     def _attempt(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished
                  ) -> Iterator[Tokens | Finished]:
+        keys = self.placement.keys(part.token_ids)
         if self._exists(Role.PREFILL) and self._exists(Role.DECODE):
-            yield from self._disaggregated(part, scope, suspects, end)
+            yield from self._disaggregated(part, scope, suspects, end, keys)
         elif self._exists(Role.COLOCATED):
-            yield from self._colocated(part, scope, suspects, end)
+            worker, charge = self._place(Role.COLOCATED, part, scope, suspects, keys)
+            self.placement.expect(worker.worker_id, keys)
+            yield from self._whole(part, worker, charge, scope, end, "colocated")
         else:
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
                               "no healthy workers: need a prefill and a decode worker, or a "
@@ -99,15 +87,54 @@ class Orchestrator:
     def _exists(self, role: Role) -> bool:
         return bool(self.registry.placeable(lambda r: r is role))
 
+    def _place(self, role: Role, part: Job, scope: CallScope, suspects: Suspects,
+               keys: list[int]) -> tuple[Worker, Charge]:
+        """A worker of `role` with room for the request, waiting (within the deadline) for one."""
+        total = len(part.token_ids) + part.params.max_tokens
+        while True:
+            if role is Role.DECODE:
+                unpairable = self.placement.unpairable()
+                if unpairable is not None:  # waiting cannot help: the placement is wrong
+                    raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, unpairable)
+            placed = self.placement.place_decode(total, suspects.current(), (role,),
+                                                 paired=role is Role.DECODE, keys=keys)
+            if placed is not None:
+                return placed
+            self._wait_for_room(role, total, scope, suspects)
+
     # ---- disaggregated ---------------------------------------------------------------------
-    def _disaggregated(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished
-                       ) -> Iterator[Tokens | Finished]:
-        holders: list[tuple[Worker, str]] = []
+    def _disaggregated(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished,
+                       keys: list[int]) -> Iterator[Tokens | Finished]:
+        while True:
+            decode, charge = self._place(Role.DECODE, part, scope, suspects, keys)
+            decision = self.sites.decide(self.placement.site_inputs(
+                len(part.token_ids), decode, suspects.current(), keys))
+            self.placement.expect(decode.worker_id, keys)  # it will hold the prompt's KV
+            self.metrics.prefill_sites.labels(decision.site, decision.reason).inc()
+            log.debug("request %s on %s: %s", part.request_id, decode.worker_id,
+                      decision.describe())
+            if decision.local:
+                tokens = self.sites.local_tokens(decision.inputs)
+                yield from self._whole(part, decode, charge, scope, end, "decode",
+                                       self.placement.charge_prefill(decode, tokens))
+                return
+            holders: list[tuple[Worker, str]] = []
+            reserve = self._reserve(part, scope, decode, charge, holders)
+            if reserve is not None:
+                break
+        yield from self._remote(part, scope, suspects, end, keys, (decode, charge, reserve),
+                                holders)
+
+    def _remote(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished,
+                keys: list[int], reserved: tuple[Worker, Charge, pb.ReserveResponse],
+                holders: list[tuple[Worker, str]]) -> Iterator[Tokens | Finished]:
+        """Prefill on a prefill worker, which ships the KV into the reservation; then decode."""
+        decode, charge, reserve = reserved
+        end.prefill_site = "remote"
         done = False
         try:
-            decode, reserve, charge = self._reserve(part, scope, suspects, holders)
             try:
-                first = self._prefill(part, scope, suspects, decode, reserve, holders, end)
+                first = self._prefill(part, scope, suspects, decode, reserve, holders, end, keys)
             finally:
                 self.placement.release(charge)
             yield Tokens([first.first_token_id],
@@ -129,44 +156,34 @@ class Orchestrator:
             if not done:  # cancel, deadline or failure: nothing may stay allocated
                 self._abort_all(holders, part)
 
-    def _reserve(self, part: Job, scope: CallScope, suspects: Suspects,
-                 holders: list[tuple[Worker, str]]) -> tuple[Worker, pb.ReserveResponse, Charge]:
-        """Blocks on a decode worker, waiting (within the deadline) until one has room."""
-        total = len(part.token_ids) + part.params.max_tokens
-        while True:
-            unpairable = self.placement.unpairable()
-            if unpairable is not None:  # waiting cannot help: the placement itself is wrong
-                raise RouterError(grpc.StatusCode.FAILED_PRECONDITION, unpairable)
-            placed = self.placement.place_decode(total, suspects.current(), (Role.DECODE,),
-                                                 paired=True)
-            if placed is None:
-                self._wait_for_room(Role.DECODE, total, scope, suspects)
-                continue
-            decode, charge = placed
-            try:
-                reply = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
-                    request_id=part.worker_request_id, prompt_token_ids=part.token_ids,
-                    sampling=sampling_to_proto(part.params),
-                    # The router aborts the reservation on every failure path it sees; the lease
-                    # is the backstop for what it cannot see (its own death), so it lasts as long
-                    # as the request may: KV arriving after the deadline is useless anyway.
-                    lease_s=max(self.lease_s, scope.timeout() + LEASE_MARGIN_S)), "reserve")
-            except RouterError as exc:
-                self.placement.release(charge)
-                if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # our view was stale
-                    scope.pause(PLACEMENT_POLL_S)
-                    continue
-                exc.suspect = decode.worker_id
-                raise
-            holders.append((decode, "decode"))
-            return decode, reply, charge
+    def _reserve(self, part: Job, scope: CallScope, decode: Worker, charge: Charge,
+                 holders: list[tuple[Worker, str]]) -> pb.ReserveResponse | None:
+        """Blocks on the decode worker for the prompt's KV; None when it had no room after all
+        (the router's view was stale: place again)."""
+        try:
+            reply = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
+                request_id=part.worker_request_id, prompt_token_ids=part.token_ids,
+                sampling=sampling_to_proto(part.params),
+                # The router aborts the reservation on every failure path it sees; the lease
+                # is the backstop for what it cannot see (its own death), so it lasts as long
+                # as the request may: KV arriving after the deadline is useless anyway.
+                lease_s=max(self.lease_s, scope.timeout() + LEASE_MARGIN_S)), "reserve")
+        except RouterError as exc:
+            self.placement.release(charge)
+            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # our view was stale
+                scope.pause(PLACEMENT_POLL_S)
+                return None
+            exc.suspect = decode.worker_id
+            raise
+        holders.append((decode, "decode"))
+        return reply
 
     def _prefill(self, part: Job, scope: CallScope, suspects: Suspects, decode: Worker,
-                 reserve: pb.ReserveResponse, holders: list[tuple[Worker, str]], end: Finished
-                 ) -> pb.PrefillResponse:
+                 reserve: pb.ReserveResponse, holders: list[tuple[Worker, str]], end: Finished,
+                 keys: list[int]) -> pb.PrefillResponse:
         while True:
             placed = self.placement.place_prefill(len(part.token_ids), suspects.current(),
-                                                  (Role.PREFILL,), decode)
+                                                  (Role.PREFILL,), decode, keys)
             if placed is None:
                 self._wait_for_room(Role.PREFILL, 0, scope, suspects)
                 continue
@@ -180,7 +197,8 @@ class Orchestrator:
                     decode_address=decode.address, transfer_address=reserve.transfer_address,
                     decode_block_ids=reserve.block_ids, decode_host_id=decode.host_id,
                     decode_kv_device=decode.kv_device, decode_kv_transport=decode.kv_transport,
-                    decode_kv_export_address=decode.kv_export_address), "prefill")
+                    decode_kv_export_address=decode.kv_export_address,
+                    decode_cached_blocks=reserve.num_cached_blocks), "prefill")
             except RouterError as exc:
                 if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # its queue is full
                     holders.pop()
@@ -207,29 +225,32 @@ class Orchestrator:
             self.metrics.kv_transfer_seconds.labels(transport).inc(first.kv_transfer_s)
             return first
 
-    # ---- colocated -------------------------------------------------------------------------
-    def _colocated(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished
-                   ) -> Iterator[Tokens | Finished]:
-        total = len(part.token_ids) + part.params.max_tokens
-        placed = self.placement.place_decode(total, suspects.current(), (Role.COLOCATED,))
-        while placed is None:
-            self._wait_for_room(Role.COLOCATED, total, scope, suspects)
-            placed = self.placement.place_decode(total, suspects.current(), (Role.COLOCATED,))
-        worker, charge = placed
+    # ---- one worker prefills and decodes -----------------------------------------------------
+    def _whole(self, part: Job, worker: Worker, charge: Charge, scope: CallScope, end: Finished,
+               kind: str, prefill_charge: Charge | None = None) -> Iterator[Tokens | Finished]:
+        """The whole generation on one worker: a colocated one, or a decode worker prefilling
+        the prompt itself (conditional disaggregation). Its charges end at the first token."""
         end.prefill_started = end.prefill_started or time.monotonic()
+        end.prefill_site = "local" if kind == "decode" else kind
         message = pb.DecodeRequest(request_id=part.worker_request_id,
                                    prompt_token_ids=part.token_ids,
                                    sampling=sampling_to_proto(part.params))
+
+        charges = [c for c in (charge, prefill_charge) if c is not None]
+
+        def release() -> None:
+            while charges:
+                self.placement.release(charges.pop())
+
         done = False
         try:
-            for item in self._stream(worker, message, scope, end,
-                                     on_first=lambda: self.placement.release(charge)):
+            for item in self._stream(worker, message, scope, end, on_first=release):
                 done = isinstance(item, Finished)
                 yield item
         finally:
-            self.placement.release(charge)
+            release()
             if not done:
-                self._abort_all([(worker, "colocated")], part)
+                self._abort_all([(worker, kind)], part)
 
     # ---- shared ----------------------------------------------------------------------------
     def _stream(self, worker: Worker, message: pb.DecodeRequest, scope: CallScope,
@@ -241,6 +262,7 @@ class Orchestrator:
                 if on_first is not None:
                     on_first()
                     on_first = None
+                end.cached_tokens = end.cached_tokens or chunk.cached_tokens
                 if chunk.token_ids:
                     yield Tokens(list(chunk.token_ids), list(chunk.logprobs))
                 if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -273,13 +295,3 @@ class Orchestrator:
         for worker, kind in holders:
             self.stubs.abort(worker, kind, part.worker_request_id)
         holders.clear()
-
-
-def _continuation(job: Job, emitted: list[int], attempt: int) -> Job:
-    """The request as attempt `attempt` sends it: after a migration, the tokens already streamed
-    join the prompt and count against max_tokens (greedy output is unchanged by the move)."""
-    if attempt == 1:
-        return job
-    params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(emitted))
-    return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
-                               token_ids=job.token_ids + emitted, params=params)

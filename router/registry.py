@@ -51,6 +51,8 @@ class Worker:
     kv_device: str = "cpu"
     kv_transport: str = "auto"
     kv_export_address: str = ""  # decode: its cache's export (shared transport)
+    # The keys of the KV blocks its prefix cache holds, as last reported (cache-aware placement).
+    prefix_hashes: frozenset[int] = frozenset()
 
     def kv_place(self) -> KVPlace:
         return KVPlace(self.worker_id, self.host_id, self.kv_device, self.kv_transport)
@@ -71,14 +73,18 @@ class WorkerRegistry:
             worker.last_heartbeat = self._clock()
             self._workers[worker.worker_id] = worker
 
-    def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False) -> bool:
-        """Record a worker's load; False when the worker is unknown (it must register again)."""
+    def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False,
+                  prefix_hashes: frozenset[int] | None = None) -> bool:
+        """Record a worker's load (and its prefix-cache digest, when it sent one); False when the
+        worker is unknown (it must register again)."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
                 return False
             worker.load = load
             worker.draining = draining
+            if prefix_hashes is not None:
+                worker.prefix_hashes = prefix_hashes
             worker.last_heartbeat = self._clock()
             return True
 

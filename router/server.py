@@ -14,11 +14,12 @@ from engine.prepare import default_model_dir, is_prepared
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.admission import Admission
+from router.admission import QUEUE_POLICIES, Admission
 from router.frontend import Frontend
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.placement import PlacementPolicy
+from router.prefill_site import PrefillSiteConfig, PrefillSitePolicy
 from router.registry import Role, WorkerRegistry
 from router.service import GenerationServicer, WorkerRegistryServicer, add_generation_servicer
 from router.stubs import WorkerStubs
@@ -42,6 +43,10 @@ class RouterOptions:
     max_queued: int = 1024  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
     metrics_port: int = 0  # 0: any free port
     grace_s: float = 30.0  # drain on SIGTERM
+    cache_aware: bool = True  # placement counts what workers' prefix caches hold
+    local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
+    queue_policy: str = "short_first"  # which queued request a freed slot goes to
+    queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -58,6 +63,11 @@ class RouterOptions:
                              f"({self.heartbeat_interval_s} vs {self.heartbeat_timeout_s})")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"--queue-policy must be one of {', '.join(QUEUE_POLICIES)}, got "
+                             f"{self.queue_policy!r}")
+        if not self.queue_age_bound_s > 0:
+            raise ValueError(f"--queue-age-bound-s must be > 0, got {self.queue_age_bound_s}")
 
 
 def model_dir(model: str) -> Path:
@@ -80,12 +90,15 @@ class Router:
         path = model_dir(options.model)
         self.model_name = path.name
         self.registry = WorkerRegistry(options.heartbeat_timeout_s)
-        self.placement = PlacementPolicy(self.registry)
+        self.placement = PlacementPolicy(self.registry, cache_aware=options.cache_aware)
         self.frontend = Frontend(Tokenizer(path), ModelConfig.from_dir(path), self.model_name)
         self.metrics = RouterMetrics()
-        self.admission = Admission(options.max_running, options.max_queued)
+        self.admission = Admission(options.max_running, options.max_queued,
+                                   policy=options.queue_policy,
+                                   age_bound_s=options.queue_age_bound_s)
         self.orchestrator = Orchestrator(self.placement, WorkerStubs(), self.metrics,
-                                         options.lease_s)
+                                         options.lease_s,
+                                         sites=PrefillSitePolicy(options.local_prefill))
         self.metrics.watch(lambda: self.admission.queued, lambda: self.admission.running,
                            self._placeable_workers)
         self._stopped = threading.Event()

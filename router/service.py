@@ -15,9 +15,10 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.admission import Admission, LeftQueue, QueueFull
 from router.calls import CallScope, RouterError
 from router.detokenizer import IncrementalText
+from router.events import Finished, Tokens
 from router.frontend import Frontend, Job
 from router.metrics import RouterMetrics
-from router.orchestrator import Finished, Orchestrator, Tokens
+from router.orchestrator import Orchestrator
 from router.placement import PlacementPolicy
 from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
 from router.wire import Unparsable, lenient
@@ -65,15 +66,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         scope = CallScope(context.time_remaining())
         context.add_callback(scope.cancel)
-        self._enter(scope)
+        self._enter(scope, len(job.token_ids))
         try:
             yield from self._stream(job, scope)
         finally:
             self.admission.leave()
 
-    def _enter(self, scope: CallScope) -> None:
+    def _enter(self, scope: CallScope, prompt_tokens: int) -> None:
         try:
-            self.admission.enter(scope.deadline, scope.cancelled)
+            self.admission.enter(scope.deadline, scope.cancelled, cost=prompt_tokens)
         except QueueFull as exc:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"overloaded: {exc}") from None
         except LeftQueue as exc:
@@ -115,7 +116,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 queue_s=max(0.0, end.prefill_started - job.arrival),
                 ttft_s=(first_token_time or now) - job.arrival, e2e_s=now - job.arrival,
                 kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes,
-                kv_transport=end.kv_transport))
+                kv_transport=end.kv_transport, prefill_site=end.prefill_site))
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:
@@ -182,13 +183,20 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             load=_load(request.load), metrics_address=request.metrics_address,
             host_id=request.host_id, kv_device=request.kv_device or "cpu",
             kv_transport=request.kv_transport or "auto",
-            kv_export_address=request.kv_export_address))
+            kv_export_address=request.kv_export_address,
+            prefix_hashes=_prefix(request.load) or frozenset()))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> pb.HeartbeatResponse:
         return pb.HeartbeatResponse(known=self.registry.heartbeat(
-            request.worker_id, _load(request.load), draining=request.draining))
+            request.worker_id, _load(request.load), draining=request.draining,
+            prefix_hashes=_prefix(request.load)))
+
+
+def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:
+    """The worker's prefix-cache digest, when this report carries one."""
+    return frozenset(load.prefix.block_hashes) if load.HasField("prefix") else None
 
 
 def _load(load: pb.WorkerLoad) -> WorkerLoad:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from engine.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PREFIX_COPY_S = 0.2  # the digest is sent with heartbeats (0.5 s): fresher copies are wasted work
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
@@ -36,6 +38,10 @@ class LoadSnapshot:
     prefix_hit_tokens: int = 0
     preemptions: int = 0
     steps: int = 0
+    # What the prefix cache holds (engine.block_manager.published_hashes), for cache-aware
+    # placement; copied only when `prefix_version` changed, at most every PREFIX_COPY_S.
+    prefix_version: int = 0
+    prefix_hashes: tuple[int, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -77,6 +83,7 @@ class EngineLoop:
         self.sinks: dict[str, Sink] = {}
         self.load = LoadSnapshot()
         self.num_steps = 0
+        self._prefix_copied = 0.0
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
@@ -190,7 +197,17 @@ class EngineLoop:
             prefix_hit_tokens=blocks.prefix_hits,
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
+            **self._prefix_digest(),
         )
+
+    def _prefix_digest(self) -> dict[str, object]:
+        blocks = self.engine.block_manager
+        version, now = blocks.prefix_version, time.monotonic()
+        if version == self.load.prefix_version or now - self._prefix_copied < PREFIX_COPY_S:
+            return {"prefix_version": self.load.prefix_version,
+                    "prefix_hashes": self.load.prefix_hashes}
+        self._prefix_copied = now
+        return {"prefix_version": version, "prefix_hashes": tuple(blocks.published_hashes())}
 
     def num_in_flight(self) -> int:
         """Requests this loop still serves (queued, running or awaiting delivery); loop thread."""

@@ -22,11 +22,15 @@ ROLES = {"prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE,
 RPC_TIMEOUT_S = 2.0
 
 
-def load_to_proto(load: LoadSnapshot) -> pb.WorkerLoad:
-    return pb.WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
-                         running_requests=load.running_requests,
-                         waiting_requests=load.waiting_requests,
-                         free_blocks=load.free_blocks, total_blocks=load.total_blocks)
+def load_to_proto(load: LoadSnapshot, with_prefix: bool = True) -> pb.WorkerLoad:
+    message = pb.WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
+                            running_requests=load.running_requests,
+                            waiting_requests=load.waiting_requests,
+                            free_blocks=load.free_blocks, total_blocks=load.total_blocks)
+    if with_prefix:
+        message.prefix.version = load.prefix_version
+        message.prefix.block_hashes.extend(load.prefix_hashes)
+    return message
 
 
 class RouterLink:
@@ -37,6 +41,7 @@ class RouterLink:
         self.load = load
         self.heartbeat_interval_s = 0.5
         self.draining = False  # sent with every heartbeat: the router stops placing on us
+        self._sent_prefix_version = -1  # the prefix digest goes out only when it changed
         self._channel = channel(router_address)
         self._stub = pb_grpc.WorkerRegistryStub(self._channel)
         self._stopped = threading.Event()
@@ -57,7 +62,9 @@ class RouterLink:
                 time.sleep(0.2)
 
     def _register_once(self) -> None:
-        self.registration.load.CopyFrom(load_to_proto(self.load()))
+        load = self.load()
+        self.registration.load.CopyFrom(load_to_proto(load))
+        self._sent_prefix_version = load.prefix_version
         reply = self._stub.Register(self.registration, timeout=RPC_TIMEOUT_S)
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
 
@@ -80,11 +87,16 @@ class RouterLink:
             self.beat()
 
     def beat(self) -> None:
+        load = self.load()
+        changed = load.prefix_version != self._sent_prefix_version
         try:
             reply = self._stub.Heartbeat(
                 pb.HeartbeatRequest(worker_id=self.registration.worker_id,
-                                    load=load_to_proto(self.load()), draining=self.draining),
+                                    load=load_to_proto(load, with_prefix=changed),
+                                    draining=self.draining),
                 timeout=RPC_TIMEOUT_S)
+            if changed:
+                self._sent_prefix_version = load.prefix_version
             if not reply.known and not self.draining:
                 self._register_once()
         except grpc.RpcError as exc:  # router down or restarting: keep trying

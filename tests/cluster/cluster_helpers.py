@@ -21,11 +21,19 @@ KV_CACHE_GB = 0.25  # per worker: plenty for the tests, small enough for 4 worke
 MAX_TOKENS = 12
 
 
-def long_prompt(min_tokens: int = 1500) -> list[int]:
+def long_prompt(min_tokens: int = 1400, rank: int = 0) -> list[int]:
+    """The workload's longest prompt (rank 0), or the next longest with a different start."""
     rows = [json.loads(line) for line in (SHARED / "bench" / "online_mixed.jsonl").open()]
-    longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
-    assert len(longest["prompt_token_ids"]) >= min_tokens
-    return longest["prompt_token_ids"]
+    rows.sort(key=lambda r: len(r["prompt_token_ids"]), reverse=True)
+    chosen: list[list[int]] = []
+    for row in rows:
+        ids = row["prompt_token_ids"]
+        if all(ids[:16] != other[:16] for other in chosen):
+            chosen.append(ids)
+        if len(chosen) > rank:
+            break
+    assert len(chosen[rank]) >= min_tokens
+    return chosen[rank]
 
 
 def start_cluster(tmp_path: Path, **spec: object) -> LocalCluster:

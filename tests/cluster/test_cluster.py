@@ -1,7 +1,8 @@
 """The disaggregated cluster end to end: real processes, real gRPC, real KV transfers on CPU —
 once per transport (shared: one-sided copies into the decode worker's shared-memory cache; dist:
-gloo pair groups), at 1P+1D and 2P+2D, one cluster per combination shared by its tests. Greedy
-output through the cluster must be token-identical to the offline engine."""
+gloo pair groups), at 1P+1D and 2P+2D, one cluster per combination shared by its tests, and over
+the placement modes (local prefill on the decode worker auto or off; cache-aware or load-only
+placement). Greedy output through the cluster must be token-identical to the offline engine."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def prompts(workload_prompts) -> list[list[int]]:
-    return mixed_prompts(workload_prompts, 16) + [long_prompt()]
+    """16 mixed prompts and a long one (streamed together), then two more long ones for the
+    transfer tests: one no worker has seen, and one sharing 800 tokens with it."""
+    fresh = long_prompt(rank=1)[20:]  # past the chat template many workload prompts share
+    shares_800 = fresh[:800] + long_prompt()[:700]
+    return mixed_prompts(workload_prompts, 16) + [long_prompt(), fresh, shares_800]
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +39,20 @@ def reference(prompts) -> list[list[int]]:
     return offline_greedy(prompts, MAX_TOKENS)
 
 
-@pytest.fixture(scope="module", params=[("shared", 1, 1), ("shared", 2, 2), ("dist", 1, 1),
-                                        ("dist", 2, 2)], ids=lambda p: f"{p[0]}-{p[1]}p{p[2]}d")
+# (transport, prefill workers, decode workers, router placement flags)
+CLUSTERS = [("shared", 1, 1, ()), ("shared", 2, 2, ("--local-prefill", "off")),
+            ("dist", 1, 1, ("--local-prefill", "off", "--placement", "load")),
+            ("dist", 2, 2, ())]
+
+
+@pytest.fixture(scope="module", params=CLUSTERS,
+                ids=lambda p: f"{p[0]}-{p[1]}p{p[2]}d{'-' if p[3] else ''}"
+                              f"{'-'.join(a.strip('-') for a in p[3])}")
 def cluster(request, tmp_path_factory, reference):
-    transport, prefill, decode = request.param
+    transport, prefill, decode, placement = request.param
     with start_cluster(tmp_path_factory.mktemp(f"{transport}-{prefill}p{decode}d"),
                        prefill=prefill, decode=decode, dtype="float32",
-                       kv_transport=transport) as running:
+                       kv_transport=transport, router_args=placement) as running:
         yield running
 
 
@@ -48,7 +60,7 @@ def test_cluster_greedy_matches_offline_engine_with_16_concurrent_streams(
         cluster, prompts, reference):
     before = {w.worker_id: w.total_blocks for w in cluster.status().workers}
     with LoadWatcher(cluster) as watcher:
-        got = stream_all(cluster.address, prompts, concurrency=16)
+        got = stream_all(cluster.address, prompts[:17], concurrency=16)
     for i, (ours, ref) in enumerate(zip(got, reference)):
         assert ours == ref, f"prompt {i} ({len(prompts[i])} tokens) differs"
     workers = wait_blocks_free(cluster)
@@ -59,20 +71,36 @@ def test_cluster_greedy_matches_offline_engine_with_16_concurrent_streams(
     assert {w.kv_transport for w in workers} == {cluster.spec.kv_transport}
 
 
+BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x K/V x KV heads x dims x fp32
+
+
 def test_long_prompt_crosses_the_transfer_intact_and_reports_timings(
         cluster, prompts, reference):
-    ids = prompts[-1]
-    assert len(ids) >= 1500
+    ids = prompts[-2]  # seen by no worker yet
+    assert len(ids) >= 1400
     tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
-    assert tokens == reference[-1]
+    assert tokens == reference[-2]
     assert last.timings.kv_transport == cluster.spec.kv_transport
+    assert last.timings.prefill_site == "remote"  # long, and the prefill pool is idle
     assert text  # detokenized by the router
-    # 30 layers x 2 x 3 KV heads x 64 dims x 4 bytes per token, whole blocks of 16 tokens
-    blocks = -(-len(ids) // 16)
-    assert last.timings.kv_transfer_bytes == blocks * 16 * 30 * 2 * 3 * 64 * 4
+    assert last.timings.kv_transfer_bytes == -(-len(ids) // 16) * BLOCK_BYTES  # whole blocks
     assert last.timings.kv_transfer_s > 0
     assert last.usage.prompt_tokens == len(ids) and last.usage.completion_tokens == MAX_TOKENS
+    assert last.usage.cached_tokens == 0
     assert 0 < last.timings.ttft_s <= last.timings.e2e_s
+
+
+def test_only_blocks_the_decode_worker_lacks_are_sent(cluster, prompts, reference):
+    """Its first 800 tokens were the previous test's prompt's: both the prefill worker that
+    computed it and the decode worker that received it hold them in their prefix caches."""
+    ids = prompts[-1]
+    tokens, _, last = stream_tokens(cluster.address, greedy_request(ids))
+    assert tokens == reference[-1]
+    assert last.usage.cached_tokens == 800  # not computed again on the prefill worker
+    assert last.timings.kv_transport == cluster.spec.kv_transport  # prefilled remotely
+    sent = -(-len(ids) // 16) - 800 // 16
+    assert last.timings.kv_transfer_bytes == sent * BLOCK_BYTES
+    wait_blocks_free(cluster)
 
 
 def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference):
@@ -84,3 +112,11 @@ def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference):
         assert wait_blocks_free(cluster)[0].free_blocks == status.workers[0].total_blocks
         assert sorted(cluster.processes) == ["colocated-0", "router"]  # started once, not twice
     assert all(p.poll() is not None for p in cluster.processes.values()), "processes left running"
+
+
+def test_a_short_prompt_is_prefilled_where_the_placement_mode_says(cluster, prompts, reference):
+    tokens, _, last = stream_tokens(cluster.address, greedy_request(prompts[9]))
+    assert tokens == reference[9]
+    local = "off" not in cluster.spec.router_args
+    assert last.timings.prefill_site == ("local" if local else "remote")
+    assert (last.timings.kv_transfer_bytes == 0) == local

@@ -72,3 +72,37 @@ def test_taking_a_cached_hit_removes_it_from_the_evictable_pool():
     # 3 more tokens need 2 blocks but only 1 is left: refused, nothing changes.
     c = make_request("c", [7] * 4)
     assert not bm.allocate_slots(c, 4) and bm.num_free_blocks == 1
+
+
+def test_block_keys_are_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    from engine.block_manager import prefix_hashes
+
+    code = ("from engine.block_manager import prefix_hashes; "
+            "print(prefix_hashes(list(range(40)), 16))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert other == str(prefix_hashes(list(range(40)), 16))
+    assert len(prefix_hashes(list(range(40)), 16)) == 2  # full blocks only
+
+
+def test_the_published_digest_follows_what_is_cached():
+    from engine.block_manager import prefix_hashes
+
+    bm = BlockManager(4, 4)
+    a = make_request("a", list(range(100, 109)))
+    version = bm.prefix_version
+    bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    assert bm.prefix_version != version
+    assert bm.published_hashes() == prefix_hashes(a.prompt_token_ids, 4)
+    assert bm.published_hashes(limit=1) == prefix_hashes(a.prompt_token_ids, 4)[-1:]
+    bm.free(a)
+    assert len(bm.published_hashes()) == 2  # cached after free, until evicted
+    version = bm.prefix_version
+    b = make_request("b", list(range(16)))
+    assert bm.allocate_slots(b, 16)  # takes every block: the cached ones are evicted
+    assert bm.published_hashes() == [] and bm.prefix_version != version

@@ -11,8 +11,8 @@ import pytest
 from engine.request import SamplingParams
 from pdserve_proto import pdserve_pb2 as pb
 from router.admission import Admission, LeftQueue, QueueFull
+from router.events import continuation as _continuation
 from router.frontend import Job
-from router.orchestrator import _continuation
 from router.placement import Suspects
 from router.wire import MAX_REQUEST_BYTES, Unparsable, find_bad_utf8, lenient
 
@@ -114,3 +114,66 @@ def test_oversized_requests_are_refused_before_parsing():
     assert isinstance(parsed, Unparsable) and str(MAX_REQUEST_BYTES) in parsed.reason
     ok = lenient(pb.GenerateRequest)(pb.GenerateRequest(prompt="hi").SerializeToString())
     assert ok.prompt == "hi"
+
+
+# ---- which queued request gets the next slot -----------------------------------------------
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _queue_three(admission: Admission, costs: list[int], clock: _Clock) -> list[int]:
+    """Queue requests of `costs` prompt tokens behind one running; free slots one at a time
+    and return the costs in the order they got in."""
+    order: list[int] = []
+    never = threading.Event()
+    threads = []
+    for cost in costs:
+        far = clock.now + 1e6  # deadlines are times of the admission's clock
+        t = threading.Thread(target=lambda c=cost, f=far: (admission.enter(f, never, 0.01, c),
+                                                           order.append(c)))
+        t.start()
+        threads.append(t)
+        while admission.queued < len(threads):
+            time.sleep(0.005)
+        clock.now += 1.0  # each waits one clock second longer than the next
+    for _ in costs:
+        admission.leave()
+        deadline = time.monotonic() + 5
+        while len(order) < len(costs) - admission.queued and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for t in threads:
+        t.join(5)
+    return order
+
+
+def test_short_first_gives_the_slot_to_the_shortest_prompt():
+    clock = _Clock()
+    admission = Admission(max_running=1, max_queued=8, clock=clock, age_bound_s=60)
+    admission.enter(clock.now + 1e6, threading.Event())
+    assert _queue_three(admission, [1800, 90, 400], clock) == [90, 400, 1800]
+
+
+def test_an_old_request_goes_first_whatever_its_size():
+    clock = _Clock()
+    admission = Admission(max_running=1, max_queued=8, clock=clock, age_bound_s=2.5)
+    admission.enter(_far(), threading.Event())
+    # 1800 has waited 3 clock seconds (> 2.5) when the first slot frees: it goes first.
+    assert _queue_three(admission, [1800, 90, 400], clock) == [1800, 90, 400]
+
+
+def test_fcfs_keeps_arrival_order():
+    clock = _Clock()
+    admission = Admission(max_running=1, max_queued=8, clock=clock, policy="fcfs")
+    admission.enter(clock.now + 1e6, threading.Event())
+    assert _queue_three(admission, [1800, 90, 400], clock) == [1800, 90, 400]
+
+
+def test_bad_queue_settings_name_the_flag():
+    with pytest.raises(ValueError, match="--queue-policy"):
+        Admission(1, 1, policy="lifo")
+    with pytest.raises(ValueError, match="--queue-age-bound-s"):
+        Admission(1, 1, age_bound_s=0)

@@ -19,8 +19,9 @@ def worker(wid: str, role: Role, free: int = 100, queued: int = 0) -> Worker:
 
 
 def make(clock: Clock | None = None) -> tuple[WorkerRegistry, PlacementPolicy]:
-    registry = WorkerRegistry(heartbeat_timeout_s=3.0, clock=clock or Clock())
-    return registry, PlacementPolicy(registry)
+    clock = clock or Clock()
+    registry = WorkerRegistry(heartbeat_timeout_s=3.0, clock=clock)
+    return registry, PlacementPolicy(registry, clock=clock)
 
 
 def test_prefill_goes_to_least_queued_and_load_is_charged_at_placement():
@@ -75,3 +76,90 @@ def test_colocated_workers_serve_both_roles_and_exclusions_apply():
     assert policy.place_decode(16)[0].worker_id == "c0"
     assert policy.place_prefill(10, exclude=frozenset({"c0"}))[0].worker_id == "p0"
     assert policy.place_prefill(10, exclude=frozenset({"c0", "p0"})) is None
+
+
+# ---- cache-aware placement ------------------------------------------------------------------
+def _keys(tokens: list[int]) -> list[int]:
+    from engine.block_manager import prefix_hashes
+
+    return prefix_hashes(tokens, 16)
+
+
+def test_prefill_prefers_the_worker_caching_the_prompt_start_against_its_queue():
+    registry, policy = make()
+    prompt = list(range(320))  # 20 blocks
+    keys = _keys(prompt)
+    registry.register(worker("p0", Role.PREFILL, queued=100))
+    cached = worker("p1", Role.PREFILL, queued=200)
+    cached.prefix_hashes = frozenset(keys[:16])  # 256 tokens cached
+    registry.register(cached)
+    placed, charge = policy.place_prefill(320, keys=keys)
+    # p1: 200 queued + 64 to compute < p0: 100 + 320.
+    assert placed.worker_id == "p1" and charge.prompt_tokens == 64
+    policy.release(charge)
+    loaded = worker("p1", Role.PREFILL, queued=500)
+    loaded.prefix_hashes = frozenset(keys[:16])
+    registry.register(loaded)
+    assert policy.place_prefill(320, keys=keys)[0].worker_id == "p0"  # 564 > 420
+
+
+def test_only_a_leading_run_of_cached_blocks_counts():
+    registry, policy = make()
+    keys = _keys(list(range(64)))
+    w = worker("p0", Role.PREFILL)
+    w.prefix_hashes = frozenset(keys[1:])  # everything but the first block: no usable prefix
+    registry.register(w)
+    assert policy.cached_tokens(registry.get("p0"), keys, 64) == 0
+    w.prefix_hashes = frozenset(keys)
+    assert policy.cached_tokens(w, keys, 64) == 63  # the last token is always computed
+
+
+def test_a_placed_prompt_counts_as_cached_there_until_it_expires():
+    clock = Clock()
+    registry, policy = make(clock)
+    keys = _keys(list(range(1024)))
+    registry.register(worker("p0", Role.PREFILL))
+    registry.register(worker("p1", Role.PREFILL))
+    first, charge = policy.place_prefill(1024, keys=keys)
+    policy.release(charge)
+    # The same system prompt again: it follows the first before any digest reports it.
+    assert policy.place_prefill(1024, keys=keys)[0].worker_id == first.worker_id
+    clock.now += 60
+    assert policy.cached_tokens(registry.get(first.worker_id), keys, 1024) == 0
+
+
+def test_load_only_placement_ignores_prefix_caches():
+    registry = WorkerRegistry(heartbeat_timeout_s=3.0, clock=Clock())
+    policy = PlacementPolicy(registry, cache_aware=False)
+    keys = _keys(list(range(320)))
+    registry.register(worker("p0", Role.PREFILL, queued=100))
+    cached = worker("p1", Role.PREFILL, queued=200)
+    cached.prefix_hashes = frozenset(keys)
+    registry.register(cached)
+    assert policy.keys(list(range(320))) == []
+    assert policy.place_prefill(320, keys=keys)[0].worker_id == "p0"
+
+
+def test_decode_counts_cached_prompt_blocks_as_room():
+    registry, policy = make()
+    keys = _keys(list(range(320)))
+    registry.register(worker("d0", Role.DECODE, free=50))
+    cached = worker("d1", Role.DECODE, free=40)
+    cached.prefix_hashes = frozenset(keys)  # 19 usable blocks cached
+    registry.register(cached)
+    assert policy.place_decode(400, keys=keys)[0].worker_id == "d1"
+
+
+def test_site_inputs_report_the_best_pool_worker_and_the_decode_side():
+    registry, policy = make()
+    keys = _keys(list(range(320)))
+    registry.register(worker("p0", Role.PREFILL, queued=1000))
+    registry.register(worker("p1", Role.PREFILL, queued=700))
+    decode = worker("d0", Role.DECODE, queued=30)
+    decode.prefix_hashes = frozenset(keys[:4])
+    registry.register(decode)
+    inputs = policy.site_inputs(320, registry.get("d0"), frozenset(), keys)
+    assert (inputs.prompt_tokens, inputs.decode_cached_tokens, inputs.decode_queued_tokens,
+            inputs.pool_tokens) == (320, 64, 30, 1020)
+    assert policy.site_inputs(320, registry.get("d0"), frozenset({"p0", "p1"}),
+                              keys).pool_tokens is None

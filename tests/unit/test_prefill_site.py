@@ -1,0 +1,65 @@
+"""Conditional disaggregation: where a prompt is prefilled, decided from plain numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
+
+
+def inputs(prompt: int, cached: int = 0, queued: int = 0, pool: int | None = 10_000
+           ) -> SiteInputs:
+    return SiteInputs(prompt, cached, queued, pool)
+
+
+def test_a_short_prompt_is_prefilled_by_the_decode_worker():
+    decision = PrefillSitePolicy().decide(inputs(300, pool=300))
+    assert decision.local and decision.reason == "short"
+    assert "prompt 300 tokens" in decision.describe()
+
+
+def test_a_long_prompt_goes_to_the_prefill_pool_when_it_is_free():
+    decision = PrefillSitePolicy().decide(inputs(1500, pool=1500))
+    assert not decision.local and decision.reason == "long"
+
+
+def test_local_work_already_queued_counts_against_the_short_limit():
+    policy = PrefillSitePolicy(PrefillSiteConfig(max_local_tokens=512))
+    assert policy.decide(inputs(300, queued=200, pool=300)).local
+    decision = policy.decide(inputs(300, queued=300, pool=300))
+    assert not decision.local and decision.reason == "long"
+
+
+def test_the_decode_workers_cached_prefix_is_not_local_work():
+    policy = PrefillSitePolicy(PrefillSiteConfig(max_local_tokens=512))
+    decision = policy.decide(inputs(2000, cached=1600, pool=2000))
+    assert decision.local and decision.reason == "short"
+    assert policy.local_tokens(inputs(64, cached=64)) == 1  # the last token is always computed
+
+
+def test_a_backed_up_pool_sends_even_long_prompts_local():
+    policy = PrefillSitePolicy(PrefillSiteConfig(max_local_tokens=256, local_cost_factor=4))
+    assert not policy.decide(inputs(1000, pool=3999)).local
+    decision = policy.decide(inputs(1000, pool=4001))
+    assert decision.local and decision.reason == "pool backed up"
+
+
+def test_without_a_usable_prefill_worker_the_decode_worker_prefills():
+    decision = PrefillSitePolicy().decide(inputs(4000, pool=None))
+    assert decision.local and decision.reason == "no prefill worker"
+
+
+def test_off_always_uses_the_prefill_pool():
+    policy = PrefillSitePolicy(PrefillSiteConfig(mode="off"))
+    assert not policy.decide(inputs(10, pool=10)).local
+    assert not policy.decide(inputs(10, pool=None)).local
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"mode": "sometimes"}, "--local-prefill"),
+    ({"max_local_tokens": -1}, "--local-prefill-max-tokens"),
+    ({"local_cost_factor": 0.5}, "local_cost_factor"),
+])
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PrefillSiteConfig(**kwargs)
