@@ -244,8 +244,11 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
     workers = {w.role: w.metrics_address for w in status.workers}
     before = [scrape(status.metrics_address), scrape(workers[pb.WORKER_ROLE_PREFILL]),
               scrape(workers[pb.WORKER_ROLE_DECODE])]
-    for _ in range(2):
-        stream_tokens(cluster.address, greedy_request(long_prompt()[:100], max_tokens=6))
+    # The first goes to the prefill worker (600 tokens is past --local-prefill-max-tokens); the
+    # decode worker then holds all but the prompt's last block, so it prefills the second itself.
+    sites = [stream_tokens(cluster.address, greedy_request(long_prompt()[:600], max_tokens=6)
+                           )[2].timings.prefill_site for _ in range(2)]
+    assert sites == ["remote", "local"]
     rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=10)))
     after = [scrape(status.metrics_address), scrape(workers[pb.WORKER_ROLE_PREFILL]),
              scrape(workers[pb.WORKER_ROLE_DECODE])]
@@ -261,14 +264,16 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
     assert moved(0, "pdserve_router_kv_transfer_bytes_total{transport=shared}") > 0
     assert after[0]["pdserve_router_workers{role=decode}"] == 1
     assert "pdserve_router_queue_depth{}" in after[0]
-    assert moved(1, "pdserve_worker_ttft_seconds_count{role=prefill}") == 2
+    assert moved(0, "pdserve_router_prefill_sites_total{reason=long,site=remote}") == 1
+    assert moved(0, "pdserve_router_prefill_sites_total{reason=short,site=local}") == 1
+    assert moved(1, "pdserve_worker_ttft_seconds_count{role=prefill}") == 1
     sent = "pdserve_worker_kv_transfer_bytes_total{direction=sent,role=prefill,transport=shared}"
     received = ("pdserve_worker_kv_transfer_bytes_total{direction=received,role=decode,"
                 "transport=shared}")
     assert moved(1, sent) > 0
-    assert moved(1, "pdserve_worker_prefix_cache_queries_tokens_total{role=prefill}") >= 200
-    # the second identical prompt hits the prefix cache
-    assert moved(1, "pdserve_worker_prefix_cache_hits_tokens_total{role=prefill}") >= 96
+    assert moved(1, "pdserve_worker_prefix_cache_queries_tokens_total{role=prefill}") == 600
+    # the second, identical prompt hits the decode worker's prefix cache (all but its last token)
+    assert moved(2, "pdserve_worker_prefix_cache_hits_tokens_total{role=decode}") >= 592
     assert moved(2, received) == moved(1, sent)
     assert moved(2, "pdserve_worker_inter_token_latency_seconds_count{role=decode}") > 0
     assert moved(2, "pdserve_worker_e2e_seconds_count{role=decode}") == 2

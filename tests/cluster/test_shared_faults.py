@@ -45,7 +45,8 @@ def cluster(tmp_path_factory, reference):
     patch.setenv("PDSERVE_FAULT_KV_WRITE_PAUSE_S", str(PAUSE_S))  # workers started now only
     try:
         running = start_cluster(tmp_path_factory.mktemp("shared-faults"), prefill=1, decode=1,
-                                dtype="float32", router_args=("--heartbeat-timeout-s", "3"))
+                                dtype="float32", router_args=("--heartbeat-timeout-s", "3",
+                                             "--local-prefill", "off"))  # every KV is written
     finally:
         patch.undo()
     with running:
