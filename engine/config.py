@@ -184,12 +184,20 @@ class SchedulerConfig:
     """Per-step limits. `prefill_chunk_size` caps the prompt tokens one request gets in one step.
 
     512 batched tokens keep CPU matmuls near their peak while bounding how long running decodes
-    wait behind a prefill chunk (measured: same offline throughput as 2048, shorter stalls)."""
+    wait behind a prefill chunk (measured: same offline throughput as 2048, shorter stalls).
+
+    `queue_policy` orders prompts: "fcfs" by arrival; "short_first" fewest prompt tokens left
+    first, so chat turns do not queue behind long documents (issue 16), except that a request
+    older than `queue_age_bound_s` goes first, oldest first, so long prompts cannot starve."""
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
     prefill_chunk_size: int | None = None
+    queue_policy: str = "fcfs"
+    queue_age_bound_s: float = 4.0
+
+    QUEUE_POLICIES = ("fcfs", "short_first")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -203,6 +211,11 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {self.prefill_chunk_size}")
+        if self.queue_policy not in self.QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be one of {', '.join(self.QUEUE_POLICIES)}, "
+                             f"got {self.queue_policy!r}")
+        if not self.queue_age_bound_s > 0:  # written this way so NaN fails too
+            raise ValueError(f"queue_age_bound_s must be > 0, got {self.queue_age_bound_s}")
 
     @property
     def chunk_limit(self) -> int:
@@ -213,7 +226,9 @@ class SchedulerConfig:
     CUDA_DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
 
     @classmethod
-    def for_device(cls, device: str, **overrides: int | None) -> SchedulerConfig:
+    def for_device(
+        cls, device: str, **overrides: int | float | str | None
+    ) -> SchedulerConfig:
         """The defaults sized for `device` ("cpu" or "cuda[:N]"), with the given fields (those
         not None) overriding them."""
         values = dict(cls.CUDA_DEFAULTS) if device.startswith("cuda") else {}

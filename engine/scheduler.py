@@ -4,13 +4,17 @@ Each step assigns a number of tokens to each request under `max_num_batched_toke
 `max_num_seqs`: running requests first (decodes and unfinished prefill chunks), then chunks of
 waiting prompts fill what is left. Prefill chunks, prefix-cache hits and KV that arrives from
 another worker are all jumps of `num_computed_tokens`.
-"""
+
+Queue order (`SchedulerConfig.queue_policy`): "fcfs" serves prompts in arrival order. With
+"short_first", after every running decode, prompts with the fewest tokens left to compute go
+first — running prefills and waiting prompts alike — unless older than `queue_age_bound_s`
+(then oldest first); preempted requests are readmitted before anything else, as with fcfs."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -61,8 +65,12 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
+        # The one clock for request ages and finish times: Request.arrival_time is time.monotonic
+        # by default, and tests pass their own clock (and arrival times) to control ages.
+        self.clock = clock
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -119,51 +127,126 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        now = self.clock()
+        first, later = self._running_order(now)
+        budget = self._schedule_running(out, first, self.config.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget, now)
+        if later and not out.preempted:  # prefills a waiting prompt outranks: what is left
+            self._schedule_running(out, later, budget)
         return out
+
 
     def _chunk(self, remaining: int, budget: int) -> int:
         return min(remaining, budget, self.config.chunk_limit)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+    def _urgency(self, request: Request, now: float) -> tuple[int, float, float]:
+        """short_first sort key: overdue requests oldest first, then fewest tokens left (ties:
+        earlier arrival). Sorts are stable, so equal keys keep their queue order."""
+        if now - request.arrival_time > self.config.queue_age_bound_s:
+            return (1, request.arrival_time, 0.0)
+        return (2, request.num_tokens - request.num_computed_tokens, request.arrival_time)
+
+    def _running_order(self, now: float) -> tuple[list[Request], list[Request]]:
+        """The order running requests get budget in: before the waiting queue, and after it
+        (short_first: running prefills that the most urgent waiting prompt outranks, so a chat
+        turn arriving during a document's chunked prefill does not wait for all of it).
+        `self.running` itself stays in admission order: preemption takes `running[-1]`."""
+        if self.config.queue_policy != "short_first":
+            return list(self.running), []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for request in self.running:
+            left = request.num_tokens - request.num_computed_tokens
+            (prefills if left > 1 else decodes).append(request)
+        prefills.sort(key=lambda r: self._urgency(r, now))
+        fresh = [self._urgency(r, now) for r in self.waiting if not r.num_preemptions]
+        if not fresh or len(self.running) >= self.config.max_num_seqs:
+            return decodes + prefills, []
+        best = min(fresh)
+        ahead = [r for r in prefills if self._urgency(r, now) <= best]
+        return decodes + ahead, prefills[len(ahead):]
+
+    def _schedule_running(self, out: SchedulerOutput, requests: list[Request],
+                          budget: int) -> int:
+        for request in requests:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this pass
+                continue
             num = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             if num <= 0:
-                index += 1
                 continue
-            while not self.block_manager.allocate_slots(request, num):
-                victim = self.running[-1]  # the newest request gives way
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    return budget
+            fits, refund = self._make_room(out, request, num)
+            budget += refund
+            if not fits:
+                break
             out.scheduled.append(ScheduledRequest.of(request, num))
             budget -= num
-            index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _make_room(self, out: SchedulerOutput, request: Request, num: int) -> tuple[bool, int]:
+        """Preempt the newest running requests until `request` gets `num` slots. Returns whether
+        it did (False: it was the newest and gave way itself) and the budget given back by
+        victims already scheduled this step (possible only when short_first reorders the pass)."""
+        refund = 0
+        while not self.block_manager.allocate_slots(request, num):
+            victim = self.running[-1]  # the newest request gives way
+            self._preempt(victim)
+            out.preempted.append(victim)
+            refund += self._unschedule(out, victim)
+            if victim is request:
+                return False, refund
+        return True, refund
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        for i, item in enumerate(out.scheduled):
+            if item.request is request:
+                del out.scheduled[i]
+                return item.num_tokens
+        return 0
+
+    def _waiting_order(self, now: float) -> list[Request]:
+        order = list(self.waiting)
+        if self.config.queue_policy == "short_first":
+            # Preempted requests sit at the front of the queue (`_preempt`) and stay first.
+            order.sort(key=lambda r: (0, 0.0, 0.0) if r.num_preemptions else self._urgency(r, now))
+        return order
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Admit waiting requests into what is left of the budget; returns what is left then."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return budget  # before ordering: short_first sorts the whole queue
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        admitted = 0
+        for request in self._waiting_order(now):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             hits = bm.find_cached_prefix(request) if not request.block_ids else []
             num_hit = len(hits) * bm.block_size
             num = self._chunk(request.num_tokens - request.num_computed_tokens - num_hit, budget)
+            # Head of line: never skip past a request that does not fit, so big ones cannot
+            # starve by being passed over forever.
             if not bm.allocate_slots(request, num, hits):
                 break
             if request.num_preemptions == 0:
                 bm.record_prefix_lookup(request.num_prompt_tokens, num_hit)
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens += num_hit
-            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest.of(request, num))
             budget -= num
+            admitted += 1
+        if admitted:
+            self._drop_admitted()
+        return budget
+
+    def _drop_admitted(self) -> None:  # in place: callers may hold `scheduler.waiting`
+        kept = [r for r in self.waiting if r.status is RequestStatus.WAITING]
+        self.waiting.clear()
+        self.waiting.extend(kept)
 
     def _preempt(self, request: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go to the front of the queue."""
@@ -210,7 +293,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         self.requests.pop(request.request_id, None)
 
     def all_requests(self) -> Iterable[Request]:

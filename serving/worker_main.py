@@ -75,7 +75,9 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
     cache = CacheConfig(kv_cache_gb=options.kv_cache_gb, shareable=exports_kv_cache(options),
                         gpu_memory_fraction=options.gpu_memory_fraction)
     scheduler = SchedulerConfig.for_device(
-        options.device, max_num_batched_tokens=options.max_num_batched_tokens)
+        options.device, max_num_batched_tokens=options.max_num_batched_tokens,
+        queue_policy=options.queue_policy, queue_age_bound_s=options.queue_age_bound_s,
+        prefill_chunk_size=options.chunk_size)
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                                   scheduler=scheduler, device=options.device))
 
