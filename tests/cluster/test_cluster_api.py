@@ -246,7 +246,8 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
               scrape(workers[pb.WORKER_ROLE_DECODE])]
     # The first goes to the prefill worker (600 tokens is past --local-prefill-max-tokens); the
     # decode worker then holds all but the prompt's last block, so it prefills the second itself.
-    sites = [stream_tokens(cluster.address, greedy_request(long_prompt()[:600], max_tokens=6)
+    unseen = long_prompt(rank=1)[20:620]  # no earlier test sent it: no worker caches it
+    sites = [stream_tokens(cluster.address, greedy_request(unseen, max_tokens=6)
                            )[2].timings.prefill_site for _ in range(2)]
     assert sites == ["remote", "local"]
     rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(prompt=""), timeout=10)))
