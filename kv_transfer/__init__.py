@@ -23,7 +23,8 @@ _LAZY = {
     "PairGroup": "pair", "PairRegistry": "pair", "TransferError": "errors",
     "TransferStats": "errors", "pack_blocks": "packing", "packed_shapes": "packing",
     "unpack_blocks": "packing", "receive_blocks": "transfer", "send_blocks": "transfer",
-    "KVExporter": "shared", "SharedSender": "shared", "device_identity": "shared",
+    "KVExporter": "shared", "SharedSender": "shared_sender", "SharedWrite": "shared_sender",
+    "device_identity": "shared",
 }
 
 __all__ = ["KVPlace", "TransportRefused", "choose_transport", "local_host_id", *_LAZY]

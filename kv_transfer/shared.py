@@ -1,4 +1,5 @@
-"""The shared transport: one-sided copies into a peer's KV cache on the same host.
+"""The shared transport: one-sided copies into a peer's KV cache on the same host (this module:
+the protocol, the copy and the decode side; kv_transfer.shared_sender: the prefill side).
 
 Protocol (decode worker D exports, prefill worker P writes):
 1. D allocates its whole cache as one buffer (engine.kv_memory: a memfd on CPU, any CUDA
@@ -12,7 +13,9 @@ Protocol (decode worker D exports, prefill worker P writes):
    D to admit a write into the request's reserved blocks (`begin`); D marks the reservation as
    being written by this mapping, or refuses. P copies the blocks (contiguous runs of block ids,
    all layers per run, device to device on GPUs), waits for the copy to complete, then reports the
-   end (`finish`, ok or not); D answers whether it still holds the request.
+   end (`finish`, ok or not); D answers whether it still holds the request. Between `begin` and
+   `finish` P may copy in several pieces (a long prompt's chunks as they are computed: the
+   prefill worker's KV streaming); the blocks stay RECEIVING, so D frees none of them meanwhile.
 4. The socket stays open while P may write through it: it is also D's liveness signal. P closes
    it only when none of its writes through the mapping is in flight, saying `bye` first; if P
    dies the kernel closes it, and D waits until P has finished exiting (its pid gone or a zombie:
@@ -30,19 +33,15 @@ import logging
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 from engine.kv_memory import KVBuffer
-from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.shared_socket import (
     HANDSHAKE_TIMEOUT_S,
-    PeerMapping,
     check_same_user,
-    map_peer,
     recv_frame,
     send_cache,
     send_frame,
@@ -195,104 +194,3 @@ class KVExporter:
                   "within %.0fs: the blocks it was writing stay reserved", key, pid,
                   WRITER_EXIT_TIMEOUT_S)
         return False
-
-
-# ---- prefill side --------------------------------------------------------------------------
-
-class SharedSender:
-    """Prefill side: one mapping per decode worker's export, one write at a time through it."""
-
-    def __init__(self, worker_id: str, timeout_s: float, pause_in_write_s: float = 0.0):
-        self.worker_id = worker_id
-        self.timeout_s = timeout_s
-        self.pause_in_write_s = pause_in_write_s  # fault injection (tests): a slow writer
-        self._mappings: dict[str, PeerMapping] = {}
-        self._lock = threading.Lock()
-
-    def send(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
-             src_ids: Sequence[int], dst_ids: Sequence[int]) -> TransferStats:
-        """Copy `src_ids` of our cache into `dst_ids` of the receiver's (TransferError when
-        refused or broken; `permanent` when the receiver's cache cannot be mapped from here)."""
-        mapping = self._mapping(receiver_id, address, src)
-        dtype = str(src.dtype).removeprefix("torch.")
-        with mapping.lock:
-            self._call(mapping, receiver_id, {"op": "begin", "request_id": request_id,
-                                              "num_blocks": len(dst_ids), "dtype": dtype})
-            if self.pause_in_write_s:
-                log.warning("fault injection: pausing %.1fs inside the write",
-                            self.pause_in_write_s)
-                time.sleep(self.pause_in_write_s)
-            start, copied = time.perf_counter(), False
-            try:
-                num_bytes = copy_blocks(src, src_ids, mapping.cache, dst_ids)
-                copied = True
-            except Exception as exc:  # noqa: BLE001 - any copy failure ends the write
-                raise TransferError(f"copying KV into {receiver_id}'s cache: {exc}") from exc
-            finally:
-                if not copied:  # whatever stopped the copy, the write is over: say so
-                    self._call(mapping, receiver_id, {"op": "finish", "request_id": request_id,
-                                                      "ok": False, "num_bytes": 0, "seconds": 0})
-            seconds = time.perf_counter() - start
-            reply = self._call(mapping, receiver_id, {
-                "op": "finish", "request_id": request_id, "ok": True, "num_bytes": num_bytes,
-                "seconds": seconds})
-        if not reply.get("held"):
-            raise TransferError(f"{receiver_id} dropped request {request_id} during the write")
-        return TransferStats(num_bytes, seconds, "shared")
-
-    def _call(self, mapping: PeerMapping, receiver_id: str, message: dict) -> dict:
-        """One exchange; a broken or slow peer loses the mapping (closing it tells the peer that
-        no write of ours is in flight: we hold the mapping's lock)."""
-        try:
-            reply = mapping.call(message, self.timeout_s)
-        except (OSError, ValueError) as exc:
-            self._drop(mapping)
-            raise TransferError(f"{receiver_id} did not answer {message['op']}: {exc}") from exc
-        if "error" in reply:
-            raise TransferError(f"{receiver_id} refused {message['op']}: {reply['error']}")
-        return reply
-
-    def _mapping(self, receiver_id: str, address: str, like: torch.Tensor) -> PeerMapping:
-        self._prune()
-        with self._lock:
-            mapping = self._mappings.get(address)
-            if mapping is not None:
-                return mapping
-            try:
-                mapping = map_peer(self.worker_id, address, like, self.timeout_s)
-            except (OSError, ValueError, RuntimeError) as exc:
-                # No export by that name here (it died, or lives in another network namespace),
-                # another layout, GPU or user: it will not work later either. A timeout or a
-                # reset mid-handshake may.
-                permanent = isinstance(exc, (ConnectionRefusedError, ValueError, RuntimeError))
-                raise TransferError(f"cannot map {receiver_id}'s KV cache at {address}: {exc}",
-                                    permanent=permanent) from exc
-            self._mappings[address] = mapping
-            return mapping
-
-    def _prune(self) -> None:
-        """Let go of the caches of peers that are gone (their memory stays mapped until then)."""
-        with self._lock:
-            dead = [m for m in self._mappings.values() if not m.alive()]
-        for mapping in dead:
-            with mapping.lock:
-                self._drop(mapping)
-
-    def _drop(self, mapping: PeerMapping) -> None:
-        """Let go of a mapping. The caller holds its lock, and a copy returns only once it is
-        complete, so no write of ours through it is in flight: say so (bye) and close."""
-        with self._lock:
-            if self._mappings.get(mapping.address) is mapping:
-                del self._mappings[mapping.address]
-        try:
-            send_frame(mapping.conn, json.dumps({"op": "bye"}).encode())
-        except OSError:
-            pass  # the peer is gone already
-        mapping.conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            mappings = list(self._mappings.values())
-        for mapping in mappings:
-            with mapping.lock:  # never close under a write in flight
-                self._drop(mapping)

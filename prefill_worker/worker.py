@@ -27,6 +27,7 @@ from kv_transfer import (
     device_identity,
     local_host_id,
 )
+from prefill_worker.streaming import KVStream, KVStreams
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
@@ -77,6 +78,7 @@ class ShipPlan:
     target: DecodeTarget
     blocks: list[int]  # our block ids, in the order of target.block_ids
     dtype: str
+    stream: KVStream | None = None  # its write, opened (and partly copied) during the prefill
 
 
 class PrefillWorker:
@@ -85,7 +87,9 @@ class PrefillWorker:
         self.worker_id = options.worker_id
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
-        self.loop = EngineLoop(engine, observer=self.metrics)
+        # Sends to one decode worker run one at a time; the threads let sends to the others
+        # proceed meanwhile (a dead receiver fails fast, so none is held for long).
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
         device = torch.device(options.device)
         self.sender = KVSender(options.worker_id, options.host, device,
                                options.transfer_timeout_s)
@@ -97,9 +101,10 @@ class PrefillWorker:
         self.control = control
         self.shipping: dict[str, Request] = {}
         self.cancelled: set[str] = set()  # shipping requests aborted before their send began
-        # Sends to one decode worker run one at a time; the threads let sends to the others
-        # proceed meanwhile (a dead receiver fails fast, so none is held for long).
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        self.streams = KVStreams(self.shared, self._executor,
+                                 lambda: self.loop.engine.runner.kv_buffer.tensor,
+                                 options.transfer_timeout_s, self.metrics.streamed)
+        self.loop = EngineLoop(engine, policy=self.streams, observer=self.metrics)
 
     def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams,
                 target: DecodeTarget, timeout_s: float) -> PrefillResult:
@@ -118,8 +123,13 @@ class PrefillWorker:
                 raise ValueError(f"decode_block_ids has {len(target.block_ids)} blocks; the "
                                  f"prompt needs {needed - target.num_cached_blocks} after "
                                  f"{target.num_cached_blocks} the decode worker holds")
-            self.loop.sinks[request_id] = lambda item: self._on_first(item, target, done)
+            self.loop.sinks[request_id] = lambda item: self._on_first(request_id, item, target,
+                                                                      done)
             engine.scheduler.add(request)
+            if self._streams_to(target):
+                self.streams.open(KVStream(request_id, target.worker_id,
+                                           target.num_cached_blocks, list(target.block_ids)),
+                                  target.export_address)
 
         self.loop.call(queue, COMMAND_TIMEOUT_S)
         try:
@@ -128,9 +138,20 @@ class PrefillWorker:
             self.abort(request_id)
             raise
 
-    def _on_first(self, item: RequestOutput | BaseException, target: DecodeTarget,
-                  done: Future[PrefillResult]) -> None:
+    def _streams_to(self, target: DecodeTarget) -> bool:
+        """Whether the request's KV is copied chunk by chunk (shared transport only)."""
+        if not self.options.kv_streaming:
+            return False
+        try:
+            return self.transport_for(target) == "shared"
+        except TransferError:
+            return False  # shipping reports it
+
+    def _on_first(self, request_id: str, item: RequestOutput | BaseException,
+                  target: DecodeTarget, done: Future[PrefillResult]) -> None:
         """Runs on the loop thread when the request's first token is sampled (or it failed)."""
+        if isinstance(item, BaseException) or item.finished:
+            self.streams.cancel(request_id)
         if isinstance(item, BaseException):
             done.set_exception(item)
             return
@@ -138,22 +159,26 @@ class PrefillWorker:
         if item.finished:  # nothing to decode: the blocks are already freed
             done.set_result(self._result(item, None))
             return
-        self.loop.sinks.pop(item.request_id, None)
-        request = engine.detach(item.request_id)
-        self.shipping[request.request_id] = request
-        self._executor.submit(self._ship, request, item, target, done)
+        self.loop.sinks.pop(request_id, None)
+        stream = self.streams.take(request_id)
+        request = engine.detach(request_id)
+        self.shipping[request_id] = request
+        self._executor.submit(self._ship, request, item, target, done, stream)
 
     def _ship(self, request: Request, first: RequestOutput, target: DecodeTarget,
-              done: Future[PrefillResult]) -> None:
+              done: Future[PrefillResult], stream: KVStream | None) -> None:
         engine = self.loop.engine
         skip = target.num_cached_blocks
         plan = ShipPlan(request, target, request.block_ids[skip:skip + len(target.block_ids)],
-                        str(engine.dtype).removeprefix("torch."))
+                        str(engine.dtype).removeprefix("torch."), stream)
         transport = "dist"
         try:
             if request.request_id in self.cancelled:
+                if stream is not None:
+                    self.streams.abandon(stream)
                 raise RuntimeError(f"request {request.request_id} aborted before its KV was sent")
-            transport = self.transport_for(target)
+            # A streamed request's write is open on the shared transport: it ends there.
+            transport = "shared" if stream is not None else self.transport_for(target)
             started = time.perf_counter()
             sent = self._send(plan, transport)
             # The whole hand-over counts (control RPCs, packing, the wait for the decode side's
@@ -211,6 +236,8 @@ class PrefillWorker:
 
     def _send_shared(self, plan: ShipPlan) -> TransferStats:
         target = plan.target
+        if plan.stream is not None:
+            return self.streams.complete(plan.stream, plan.request.block_ids)
         return self.shared.send(target.worker_id, target.export_address,
                                 plan.request.request_id, self.loop.engine.runner.kv_buffer.tensor,
                                 plan.blocks, target.block_ids)

@@ -86,6 +86,10 @@ class WorkerMetrics:
         self.kv_transfer_seconds = Counter("pdserve_worker_kv_transfer_seconds", "Seconds "
                                            "spent moving KV", ["role", "direction", "transport"],
                                            registry=self.registry)
+        self.kv_streamed_bytes = Counter("pdserve_worker_kv_streamed_bytes", "KV bytes copied "
+                                         "to decode workers while their prompt was still "
+                                         "computing (shared transport)", ["role"],
+                                         registry=self.registry)
         self.kv_transfer_failures = Counter("pdserve_worker_kv_transfer_failures", "KV "
                                             "transfers that failed", ["role", "direction",
                                                                       "transport"],
@@ -130,6 +134,9 @@ class WorkerMetrics:
     def transfer(self, direction: str, num_bytes: int, seconds: float, transport: str) -> None:
         self.kv_transfer_bytes.labels(self.role, direction, transport).inc(num_bytes)
         self.kv_transfer_seconds.labels(self.role, direction, transport).inc(seconds)
+
+    def streamed(self, num_bytes: int) -> None:
+        self.kv_streamed_bytes.labels(self.role).inc(num_bytes)
 
     def transfer_failed(self, direction: str, transport: str) -> None:
         self.kv_transfer_failures.labels(self.role, direction, transport).inc()

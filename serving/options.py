@@ -41,6 +41,9 @@ class WorkerOptions:
     metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
     kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
+    # Prefill, shared transport: copy each chunk's finished blocks while later chunks compute,
+    # so a long prompt's first token waits only for its last chunk's copy (issue 16).
+    kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
@@ -123,6 +126,9 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
                         help="how KV moves between prefill and decode workers: shared (one-sided "
                              "writes into the peer's cache, same host only), dist (torch."
                              "distributed pair groups), auto (shared on one host, else dist)")
+    parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
+                        help="prefill, shared transport: copy each chunk's KV to the decode "
+                             "worker while the next chunks compute (off: all after the prompt)")
     _add_device_args(parser)
     args = parser.parse_args(argv)
     if getattr(args, "colocated", False):
@@ -136,7 +142,8 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
-        kv_transport=args.kv_transport, gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
+        gpu_memory_fraction=args.gpu_memory_fraction,
         fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")))
 
 

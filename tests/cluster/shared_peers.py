@@ -59,17 +59,33 @@ def exporter(queue, commands) -> None:
                        bool((buffer.tensor[:, :, untouched] == 0).all())))
 
 
+def interleaved_writes(sender, address: str, src: torch.Tensor) -> list:  # noqa: ANN001
+    """Two requests' writes open at once through one mapping, each copied in pieces: "a" gets
+    the first three blocks (in two pieces), "b" the last two; "b" finishes first."""
+    a = sender.begin("decode-t", address, "a", src, 3)
+    b = sender.begin("decode-t", address, "b", src, 2)
+    a.copy(src, SRC_BLOCKS[:2], DST_BLOCKS[:2])
+    b.copy(src, SRC_BLOCKS[3:], DST_BLOCKS[3:])
+    return [sender.complete(b, src, [], []),
+            sender.complete(a, src, SRC_BLOCKS[2:3], DST_BLOCKS[2:3])]
+
+
 def writer(address: str, queue, plan: list[str]) -> None:
-    """For each step: 'write' the blocks, 'refused' (the exporter refuses the write), or 'hang'
-    (the write begins, then this process stalls inside it: the test kills it mid-write)."""
+    """For each step: 'write' the blocks, 'refused' (the exporter refuses the write), 'hang'
+    (the write begins, then this process stalls inside it: the test kills it mid-write), or
+    'interleaved' (interleaved_writes)."""
     from kv_transfer.errors import TransferError
-    from kv_transfer.shared import SharedSender
+    from kv_transfer.shared_sender import SharedSender
 
     src = source_cache()
     sender = SharedSender("prefill-t", timeout_s=5.0,
                           pause_in_write_s=600.0 if "hang" in plan else 0.0)
     for step in plan:
         try:
+            if step == "interleaved":
+                for stats in interleaved_writes(sender, address, src):
+                    queue.put(("sent", stats.num_bytes, stats.transport))
+                continue
             stats = sender.send("decode-t", address, step, src, SRC_BLOCKS, DST_BLOCKS)
             queue.put(("sent", stats.num_bytes, stats.transport))
         except TransferError as exc:

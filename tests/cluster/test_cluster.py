@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve_proto import pdserve_pb2 as pb
 from tests.cluster.cluster_helpers import (
     MAX_TOKENS,
     LoadWatcher,
     greedy_request,
     long_prompt,
     offline_greedy,
+    scrape,
     start_cluster,
     stream_all,
     stream_tokens,
@@ -74,12 +76,25 @@ def test_cluster_greedy_matches_offline_engine_with_16_concurrent_streams(
 BLOCK_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # tokens x layers x K/V x KV heads x dims x fp32
 
 
+def streamed_bytes(cluster) -> float:  # noqa: ANN001 - a LocalCluster
+    """KV bytes the prefill workers copied while their prompts were still computing."""
+    return sum(scrape(w.metrics_address).get("pdserve_worker_kv_streamed_bytes_total"
+                                             "{role=prefill}", 0.0)
+               for w in cluster.status().workers if w.role == pb.WORKER_ROLE_PREFILL)
+
+
 def test_long_prompt_crosses_the_transfer_intact_and_reports_timings(
         cluster, prompts, reference):
     ids = prompts[-2]  # seen by no worker yet
     assert len(ids) >= 1400
+    streamed_before = streamed_bytes(cluster)
     tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
     assert tokens == reference[-2]
+    # Prefilled alone in 512-token chunks: on the shared transport every chunk but the last
+    # was copied while the next one computed, the rest (the tail) after the first token.
+    streamed = streamed_bytes(cluster) - streamed_before
+    before_last_chunk = (len(ids) - 1) // 512 * 512 // 16 * BLOCK_BYTES
+    assert streamed == (before_last_chunk if cluster.spec.kv_transport == "shared" else 0)
     assert last.timings.kv_transport == cluster.spec.kv_transport
     assert last.timings.prefill_site == "remote"  # long, and the prefill pool is idle
     assert text  # detokenized by the router

@@ -69,6 +69,28 @@ def test_blocks_land_at_the_receivers_ids_and_nowhere_else():
     proc.join(30)
 
 
+def test_writes_in_pieces_interleave_through_one_mapping_and_land_whole():
+    """KV streaming's use of the transport: several requests' writes open at once, each filled
+    by several copies, finishing in any order."""
+    ctx, proc, queue, commands, address = start_exporter()
+    writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["interleaved"]))
+    writer.start()
+    got = events(queue, 7)
+    writer.join(30)
+    exporter_side = [e for e in got if e[0] in ("began", "finished", "gone")]
+    assert [e[0] for e in exporter_side] == ["began", "began", "finished", "finished", "gone"]
+    assert [e[2] for e in exporter_side[:2]] == ["a", "b"]
+    block = shared_peers.source_cache()[:, :, 0].numel() * 4
+    assert [e[3] for e in exporter_side[2:4]] == [2 * block, 3 * block]  # b, then a
+    assert [e[1] for e in got if e[0] == "sent"] == [2 * block, 3 * block]
+    commands.put("check")
+    kind, blocks, rest_zero = queue.get(timeout=30)
+    assert kind == "blocks" and torch.equal(blocks, shared_peers.expected_blocks())
+    assert rest_zero, "a block outside the destination ids was written"
+    commands.put("stop")
+    proc.join(30)
+
+
 def test_a_writer_killed_mid_write_closes_its_mapping_once_it_has_exited():
     ctx, proc, queue, commands, address = start_exporter()
     writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["hang"]))
@@ -116,7 +138,7 @@ def test_a_silent_export_times_out_as_a_transient_failure():
     import socket
 
     from kv_transfer.errors import TransferError
-    from kv_transfer.shared import SharedSender
+    from kv_transfer.shared_sender import SharedSender
 
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.bind("\0pdserve-kv-silent-test")

@@ -68,3 +68,14 @@ def test_the_section_is_appended_once_then_replaced_in_place():
     second = replace_section(first + "\nnotes kept\n", ["new", "table"])
     assert second.count(TITLE) == 1 and "old" not in second
     assert f"{START}\nnew\ntable\n{END}\n\nnotes kept" in second and "## Other\n\ntext" in second
+
+
+def test_streamed_rows_get_ttft_verdicts_and_the_whole_copy_the_memcpy_one():
+    rows = summarize([Sample("shared", 2048, 90_000_000, 0.002, 4.0),
+                      Sample("shared-whole", 2048, 90_000_000, 0.030, 4.0)], {2048: 0.02})
+    text = "\n".join(verdicts(rows))
+    # The streamed copy's exposed 2 ms is not a copy rate: the verdict uses the whole copy.
+    assert "| shared-whole transport ≥70% of memcpy, 1,024+ tokens | 67% at 2,048 tokens | no |" \
+        in text
+    assert "at 2,048 tokens, shared | 0.05% | yes |" in text
+    assert "at 2,048 tokens, shared-whole | 0.75% | yes |" in text
