@@ -1,8 +1,9 @@
-"""python -m router {serve,launch,client} ...
+"""python -m router {serve,launch,client,plan} ...
 
   serve   run the router alone (workers join with --router ADDRESS)
   launch  run a whole local cluster: router + prefill + decode workers (Ctrl-C stops it)
   client  stream a generation from a running cluster
+  plan    recommend the P:D split (and local prefill on/off) for a workload and an SLO
 """
 
 from __future__ import annotations
@@ -57,7 +58,24 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--temperature", type=float, default=0.0)
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--timeout-s", type=float, default=120.0)
+    _add_plan_args(sub.add_parser("plan", help="recommend a P:D split for a workload and SLO"))
     return parser
+
+
+def _add_plan_args(plan: argparse.ArgumentParser) -> None:
+    plan.add_argument("--workload", type=Path, required=True,
+                      help="JSONL: prompt_token_ids (or prompt_tokens) and max_tokens per line")
+    plan.add_argument("--slo", type=Path, required=True, help='JSON: {"ttft_s": .., "tpot_s": ..}')
+    plan.add_argument("--workers", type=int, required=True, help="workers (cores, GPUs) to split")
+    plan.add_argument("--rates", default="0.4", help="request rates (req/s), comma-separated")
+    plan.add_argument("--profile", type=Path, default=None,
+                      help="a worker's measured speed (python -m engine.profile --out FILE); "
+                           "default: measure one now (default model, 1 thread)")
+    plan.add_argument("--requests", type=int, default=400, help="simulated requests per run")
+    plan.add_argument("--seeds", type=int, default=5, help="runs per rate (medians reported)")
+    plan.add_argument("--max-tokens-cap", type=int, default=None,
+                      help="cap each request's max_tokens (as the benchmark run did)")
+    plan.add_argument("--json", type=Path, default=None, help="write every figure here too")
 
 
 def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
@@ -157,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, GpuError) as exc:
             parser.error(str(exc))
         return run_until_interrupted(spec, args.log_dir)
+    if args.command == "plan":
+        from router.planner import run_plan
+
+        try:
+            return run_plan(args)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     from router.client import build_request, stream
 
     if args.prompt is None and args.chat is None:
