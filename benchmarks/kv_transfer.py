@@ -3,10 +3,10 @@
     .venv/bin/python -m benchmarks.kv_transfer [--lengths 128,1024,2048,4096] [--requests 5]
         [--transports shared,shared-whole,dist] [--write]
 
-One 1P+1D cluster per transport (default model, float32, 1 torch thread per worker, every prompt
-prefilled on the prefill worker: --local-prefill off), started once. `shared` streams a prompt's
-KV chunk by chunk while later chunks compute (the default); `shared-whole` is the same transport
-with --kv-streaming off (everything after the first token);
+One 1P+1D cluster per variant (default model, float32, 1 torch thread per worker, every prompt
+prefilled on the prefill worker: --local-prefill off), started once. `shared` and `dist` stream a
+prompt's KV chunk by chunk while later chunks compute (the default); `shared-whole` and
+`dist-whole` are the same transports with --kv-streaming off (everything after the first token);
 one warm-up request, then `--requests` greedy requests of each prompt length (real text from
 offline_mixed.jsonl, each starting with its own token: no prefix-cache hit), max_tokens=2 (with 1
 nothing is shipped). Each request's last message gives the bytes moved, the hand-over's seconds
@@ -43,7 +43,7 @@ START, END = "<!-- kv-transfer:start -->", "<!-- kv-transfer:end -->"
 MEMCPY_TARGET, MEMCPY_MIN_TOKENS = 0.70, 1024  # shared >= 70% of memcpy for 1k+ tokens
 TTFT_TARGET, TTFT_TOKENS = 0.05, (1024, 2048)  # transfer <= 5% of TTFT at 1k and 2k tokens
 VARIANTS = {"shared": ("shared", "on"), "shared-whole": ("shared", "off"),
-            "dist": ("dist", "on")}  # name: (transport, --kv-streaming)
+            "dist": ("dist", "on"), "dist-whole": ("dist", "off")}  # (transport, --kv-streaming)
 REQUEST_TIMEOUT_S = 600.0  # one request (a 4k-token prefill on one core takes tens of seconds)
 MEMCPY_RUNS = 7
 
@@ -208,8 +208,8 @@ def section(rows: list[dict], command: str, requests: int, wall_s: float) -> lis
         *table(rows), "",
         "KV MB = bytes shipped (10⁶); transfer = `timings.kv_transfer_s`, the hand-over the "
         "request waits for after its first token (control RPCs, copy or send, "
-        "acknowledgement; for `shared`, streamed, only the blocks not yet copied while the "
-        "prompt computed, so its GB/s is not a copy rate); "
+        "acknowledgement; streamed — `shared`, `dist` — only the blocks not yet sent while the "
+        "prompt computed, so their GB/s is not a transfer rate); "
         "GB/s = bytes / transfer s; memcpy = `dst.copy_(src)` of as many bytes between two "
         f"pre-touched float32 tensors in the benchmark process, 1 thread, median of "
         f"{MEMCPY_RUNS} (bytes copied per second: memory traffic is twice that); "
@@ -230,7 +230,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="128,1024,2048,4096")
     parser.add_argument("--requests", type=int, default=5)
-    parser.add_argument("--transports", default="shared,shared-whole,dist",
+    parser.add_argument("--transports", default="shared,shared-whole,dist,dist-whole",
                         help=f"variants, of {', '.join(VARIANTS)}")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = parser.parse_args()

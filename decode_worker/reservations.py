@@ -11,7 +11,12 @@ blocks: an abort only marks the reservation, and the lease does not run. RECEIVI
 `end_receive` (the writer reports it is done, well or not) or `writer_gone` (the writer's mapping
 closed: it let go of our cache with no write in flight, or it died) — and then an aborted or
 failed reservation is freed. Blocks are taken fresh at reservation, never from the prefix cache,
-so a write can only land in blocks that belong to that request alone."""
+so a write can only land in blocks that belong to that request alone.
+
+A transfer may come in pieces (KV streamed while the prompt computes, dist transport): each piece
+is a receive of its own that must start where the previous one ended (`received_blocks`); between
+pieces the reservation is RESERVED again with its lease restarted, so a sender that vanishes
+between pieces costs a lease, not a leak. Only the last piece makes it READY."""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ class Reservation:
     state: LeaseState = LeaseState.RESERVED
     aborted: bool = False  # abort arrived while RECEIVING: free once the transfer is done
     writer: str = ""  # while RECEIVING: the mapping writing into the blocks ("" = ourselves)
+    received_blocks: int = 0  # fresh blocks written by the pieces received so far
 
 
 class ReservationTable:
@@ -61,13 +67,16 @@ class ReservationTable:
         with self._lock:
             self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
 
-    def begin_receive(self, request_id: str, writer: str = "") -> Request:
+    def begin_receive(self, request_id: str, writer: str = "", first_block: int = 0) -> Request:
         """Pause the lease while a transfer (by `writer`, see the module doc) writes into the
-        blocks."""
+        blocks, from fresh block `first_block` on (where the previous piece ended)."""
         with self._lock:
             reservation = self._get(request_id)
             if reservation.state is not LeaseState.RESERVED:
                 raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
+            if first_block != reservation.received_blocks:
+                raise ValueError(f"first_block is {first_block}; request {request_id!r} has "
+                                 f"received {reservation.received_blocks} blocks")
             reservation.state = LeaseState.RECEIVING
             reservation.writer = writer
             return reservation.request
@@ -90,15 +99,21 @@ class ReservationTable:
                 self._drop(rid)
             return ended
 
-    def end_receive(self, request_id: str, ok: bool) -> bool:
-        """The transfer finished. On success the lease restarts (the Decode call must follow);
-        on failure, or if an abort came meanwhile, the blocks are freed. True if still held."""
+    def end_receive(self, request_id: str, ok: bool, more_after: int | None = None) -> bool:
+        """The transfer finished. On success the lease restarts (the Decode call must follow,
+        or with `more_after` — a piece of that many blocks — the next piece); on failure, or if
+        an abort came meanwhile, the blocks are freed. True if still held."""
         with self._lock:
             reservation = self._get(request_id)
             if not ok or reservation.aborted:
                 self._drop(request_id)
                 return False
-            reservation.state = LeaseState.READY
+            if more_after is None:
+                reservation.state = LeaseState.READY
+            else:
+                reservation.state = LeaseState.RESERVED
+                reservation.received_blocks += more_after
+            reservation.writer = ""
             reservation.expires_at = self._clock() + reservation.lease_s
             return True
 

@@ -53,7 +53,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         try:
             stats = self.worker.receive_kv(request.request_id, request.sender_id,
                                            request.generation, request.tag, request.num_blocks,
-                                           request.dtype)
+                                           request.dtype, request.first_block, request.more)
         except KeyError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:

@@ -87,15 +87,18 @@ class DecodeWorker:
         return self.loop.call(run, COMMAND_TIMEOUT_S)
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
-                   num_blocks: int, dtype: str) -> TransferStats:
-        """dist transport: receive the prompt's KV into the reserved blocks (KeyError: no such
-        reservation; ValueError: shape/dtype mismatch; TransferError: the transfer failed)."""
+                   num_blocks: int, dtype: str, first_block: int = 0,
+                   more: bool = False) -> TransferStats:
+        """dist transport: receive the prompt's KV, or one piece of it (see ReceiveKVRequest),
+        into the reserved blocks (KeyError: no such reservation; ValueError: shape/dtype
+        mismatch or a piece out of order; TransferError: the transfer failed)."""
         engine = self.loop.engine
         began = False
         try:
-            request = self.table.begin_receive(request_id)
+            request = self.table.begin_receive(request_id, first_block=first_block)
             began = True
-            _check_shape(engine, _fresh_blocks(engine, request), num_blocks, dtype)
+            fresh = _fresh_blocks(engine, request)
+            _check_piece(engine, len(fresh), first_block, num_blocks, more, dtype)
         except (KeyError, ValueError) as exc:
             self.receiver.refuse(sender_id, generation, tag, str(exc))
             if began:  # only the receive this call began: another may be writing
@@ -104,7 +107,7 @@ class DecodeWorker:
         ok = False
         try:
             stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
-                                          _fresh_blocks(engine, request))
+                                          fresh[first_block:first_block + num_blocks])
             ok = True
             self.metrics.transfer("received", stats.num_bytes, stats.seconds, "dist")
             return stats
@@ -112,7 +115,7 @@ class DecodeWorker:
             self.metrics.transfer_failed("received", "dist")
             raise
         finally:
-            held = self.table.end_receive(request_id, ok)
+            held = self.table.end_receive(request_id, ok, num_blocks if more else None)
             if ok and not held:
                 raise TransferError(f"request {request_id!r} was aborted during its transfer")
 
@@ -212,8 +215,18 @@ def _fresh_blocks(engine: LLMEngine, request: Request) -> list[int]:
 
 
 def _check_shape(engine: LLMEngine, block_ids: list[int], num_blocks: int, dtype: str) -> None:
-    if num_blocks != len(block_ids):
-        raise ValueError(f"num_blocks is {num_blocks} but {len(block_ids)} blocks are reserved")
+    _check_piece(engine, len(block_ids), 0, num_blocks, False, dtype)
+
+
+def _check_piece(engine: LLMEngine, reserved: int, first_block: int, num_blocks: int, more: bool,
+                 dtype: str) -> None:
+    """A piece [first_block, first_block + num_blocks) of `reserved` fresh blocks; the last
+    piece (not `more`) ends at the last block."""
+    end = first_block + num_blocks
+    if end > reserved or (not more and end != reserved) or (more and num_blocks == 0):
+        raise ValueError(f"num_blocks is {num_blocks} from first_block {first_block} "
+                         f"({'more to come' if more else 'the last piece'}) but {reserved} "
+                         f"blocks are reserved")
     ours = str(engine.dtype).removeprefix("torch.")
     if dtype != ours:
         raise ValueError(f"dtype {dtype!r} does not match this worker's KV cache ({ours})")

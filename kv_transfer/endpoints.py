@@ -99,6 +99,13 @@ class KVSender:
              ) -> TransferStats:
         """Send the blocks; `start_receive(generation, tag)` must make the receiver call
         `KVReceiver.receive` (it is called before anything is sent)."""
+        return self.send_packed(receiver_id, store_address, pack_blocks(kv_caches, block_ids),
+                                start_receive)
+
+    def send_packed(self, receiver_id: str, store_address: str, layers: Sequence[torch.Tensor],
+                    start_receive: Callable[[int, int], object]) -> TransferStats:
+        """Send blocks packed already (`pack_blocks`: a piece of a prompt packed between two
+        steps, while its source blocks could not change)."""
         key = pair_key(self.worker_id, receiver_id)
         with self._pair_lock(key):
             self._forget_if_moved(key, receiver_id, store_address)
@@ -109,7 +116,7 @@ class KVSender:
                 start_receive(generation, tag)
                 self._await_ready(store, key, generation, tag)
                 pair = self.registry.get(store, key, generation)
-                return send_blocks(pair, tag, pack_blocks(kv_caches, block_ids), self.timeout_s)
+                return send_blocks(pair, tag, layers, self.timeout_s)
             except (TransferError, RuntimeError) as exc:
                 self.registry.tear_down(key)
                 with self._lock:

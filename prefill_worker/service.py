@@ -11,7 +11,8 @@ import grpc
 from kv_transfer import KVPlace, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from prefill_worker.worker import DecodeTarget, PrefillResult, PrefillWorker
+from prefill_worker.handoff import DecodeTarget, PrefillResult
+from prefill_worker.worker import PrefillWorker
 from serving.convert import (
     finish_reason_to_proto,
     logprob_to_proto,
@@ -42,10 +43,11 @@ class DecodeStubs:
             return self._stubs[address]
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str) -> Callable[[float], object]:
+                      num_blocks: int, dtype: str, first_block: int = 0,
+                      more: bool = False) -> Callable[[float], object]:
         message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
                                       generation=generation, tag=tag, num_blocks=num_blocks,
-                                      dtype=dtype)
+                                      dtype=dtype, first_block=first_block, more=more)
         future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
 
         def wait_ack(timeout_s: float) -> object:

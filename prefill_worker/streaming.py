@@ -1,15 +1,20 @@
-"""KV streaming (shared transport): a long prompt's blocks go to the decode worker chunk by chunk
-while the next chunks compute, so its first token waits only for the last chunk's copy.
+"""KV streaming: a long prompt's blocks go to the decode worker chunk by chunk while the next
+chunks compute, so its first token waits only for the last chunk's blocks.
 
-Each streamed request opens its write on the decode worker when it is queued (on a sender
-thread; the loop never waits for it). After every engine step, on the loop thread, the blocks
-its prompt has filled since are copied into the reserved blocks — the source blocks cannot be
-freed or reused while a step is not running, and a copy returns only once complete. When the
-first token is sampled the stream is handed to the shipping thread, which copies what is left
-(the last, partial block at least) and finishes the write; on any other end (abort, failure, a
-first token that ends the request) the write is finished as failed, so the decode worker frees
-the blocks. A request preempted here recomputes its prompt: blocks already copied stay copied
-(their KV depends only on the tokens) and copying resumes past them."""
+Shared transport: each streamed request opens its write on the decode worker when it is queued (on
+a sender thread; the loop never waits for it). After every engine step, on the loop thread, the
+blocks its prompt has filled since are copied into the reserved blocks — the source blocks cannot
+be freed or reused while a step is not running, and a copy returns only once complete. When the
+first token is sampled the stream is handed to the shipping thread, which copies what is left (the
+last, partial block at least) and finishes the write; on any other end (abort, failure, a first
+token that ends the request) the write is finished as failed, so the decode worker frees the
+blocks. A request preempted here recomputes its prompt: blocks already copied stay copied (their KV
+depends only on the tokens) and copying resumes past them.
+
+dist transport: after every step the newly filled blocks are packed (copied out, on the loop
+thread) and sent as a piece (ReceiveKVRequest.first_block / more) by the request's PieceSender;
+the shipping thread waits for those, then sends the rest as the last piece. Between pieces the
+decode worker's reservation is only reserved, under its lease: nothing to finish on an abort."""
 
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.engine import LLMEngine, RequestOutput
-from kv_transfer import SharedSender, SharedWrite, TransferError, TransferStats
+from kv_transfer import SharedSender, SharedWrite, TransferError, TransferStats, pack_blocks
+from prefill_worker.pieces import PieceSender
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +38,10 @@ class KVStream:
     receiver_id: str
     src_offset: int  # our prompt's first block to send (the decode worker caches those before)
     dst_ids: list[int]  # the decode worker's reserved blocks, in prompt order
-    opened: Future[SharedWrite] = field(default_factory=Future)
-    sent: int = 0  # blocks of dst_ids copied so far
+    opened: Future[SharedWrite | None] = field(default_factory=Future)  # None: dist
+    sent: int = 0  # blocks of dst_ids copied (shared) or handed to `pieces` (dist) so far
     error: TransferError | None = None  # a copy failed: the tail finishes the write as failed
+    pieces: PieceSender | None = None  # dist: its pieces' sender
 
 
 class KVStreams:
@@ -50,8 +57,14 @@ class KVStreams:
         self.timeout_s = timeout_s
         self.streams: dict[str, KVStream] = {}  # loop thread only
 
+    def open_dist(self, stream: KVStream, pieces: PieceSender) -> None:
+        """Stream a request just queued in dist pieces (loop thread)."""
+        stream.pieces = pieces
+        stream.opened.set_result(None)
+        self.streams[stream.request_id] = stream
+
     def open(self, stream: KVStream, address: str) -> None:
-        """Start the write for a request just queued (loop thread)."""
+        """Start the shared write for a request just queued (loop thread)."""
         self.streams[stream.request_id] = stream
 
         def begin() -> None:
@@ -81,17 +94,25 @@ class KVStreams:
             if upto <= stream.sent:
                 continue
             src = request.block_ids[stream.src_offset + stream.sent:stream.src_offset + upto]
-            write = stream.opened.result()
-            before = write.num_bytes
-            try:  # never waits on the decode worker: a busy mapping is tried next step
-                if not write.copy(self.cache(), src, stream.dst_ids[stream.sent:upto],
-                                  wait=False):
-                    continue
-            except TransferError as exc:
-                stream.error = exc
-                continue
-            self.on_streamed(write.num_bytes - before)
-            stream.sent = upto
+            if stream.pieces is not None:
+                layers = pack_blocks(engine.runner.kv_caches, src)
+                stream.pieces.put(layers, stream.sent, upto - stream.sent)
+                self.on_streamed(sum(t.numel() * t.element_size() for t in layers))
+                stream.sent = upto
+            elif self._copy(stream, src, upto):
+                stream.sent = upto
+
+    def _copy(self, stream: KVStream, src: list[int], upto: int) -> bool:
+        write = stream.opened.result()
+        before = write.num_bytes
+        try:  # never waits on the decode worker: a busy mapping is tried next step
+            if not write.copy(self.cache(), src, stream.dst_ids[stream.sent:upto], wait=False):
+                return False
+        except TransferError as exc:
+            stream.error = exc
+            return False
+        self.on_streamed(write.num_bytes - before)
+        return True
 
     def take(self, request_id: str) -> KVStream | None:
         """The request's stream, no longer copied after steps (loop thread)."""
@@ -105,7 +126,11 @@ class KVStreams:
             self.abandon(stream)
 
     def abandon(self, stream: KVStream) -> None:
-        """A taken stream will not be completed: finish its write as failed once open."""
+        """A taken stream will not be completed: finish its write as failed once open (dist:
+        drop its unsent pieces)."""
+        if stream.pieces is not None:
+            stream.pieces.close(cancel=True)
+            return
 
         def finish(opened: Future[SharedWrite]) -> None:
             if opened.exception() is None:  # never opened: nothing to finish

@@ -7,10 +7,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -26,7 +24,10 @@ from kv_transfer import (
     choose_transport,
     device_identity,
     local_host_id,
+    pack_blocks,
 )
+from prefill_worker.handoff import DecodeControl, DecodeTarget, PrefillResult, ShipPlan
+from prefill_worker.pieces import PieceSender
 from prefill_worker.streaming import KVStream, KVStreams
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
@@ -35,50 +36,6 @@ from serving.options import WorkerOptions
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class DecodeTarget:
-    worker_id: str
-    address: str  # gRPC
-    transfer_address: str  # KV rendezvous store (dist transport)
-    block_ids: list[int]
-    place: KVPlace | None = None  # where its cache lives (None: an unknown place, dist only)
-    export_address: str = ""  # its cache's export (shared transport)
-    # The prompt's first blocks the decode worker holds already (its prefix cache): not sent;
-    # `block_ids` receive our blocks after them.
-    num_cached_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    logprobs: dict[int, float] | None
-    finish_reason: str | None  # set when the first token ends the request (nothing shipped)
-    stop_reason: int | str | None
-    cached_tokens: int
-    prefill_s: float
-    transfer: TransferStats | None
-
-
-class DecodeControl(Protocol):
-    """The decode workers' KV control RPCs (prefill_worker.service.DecodeStubs)."""
-
-    def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str) -> Callable[[float], object]:
-        """ReceiveKV (dist transport): returns a wait for the decode side's acknowledgement
-        (TransferError if refused)."""
-
-
-@dataclass
-class ShipPlan:
-    """How one request's KV goes out."""
-
-    request: Request
-    target: DecodeTarget
-    blocks: list[int]  # our block ids, in the order of target.block_ids
-    dtype: str
-    stream: KVStream | None = None  # its write, opened (and partly copied) during the prefill
 
 
 class PrefillWorker:
@@ -126,10 +83,7 @@ class PrefillWorker:
             self.loop.sinks[request_id] = lambda item: self._on_first(request_id, item, target,
                                                                       done)
             engine.scheduler.add(request)
-            if self._streams_to(target):
-                self.streams.open(KVStream(request_id, target.worker_id,
-                                           target.num_cached_blocks, list(target.block_ids)),
-                                  target.export_address)
+            self._open_stream(request_id, target)
 
         self.loop.call(queue, COMMAND_TIMEOUT_S)
         try:
@@ -138,14 +92,36 @@ class PrefillWorker:
             self.abort(request_id)
             raise
 
-    def _streams_to(self, target: DecodeTarget) -> bool:
-        """Whether the request's KV is copied chunk by chunk (shared transport only)."""
+    def _open_stream(self, request_id: str, target: DecodeTarget) -> None:
+        """Stream the request's KV chunk by chunk (loop thread; prefill_worker.streaming)."""
         if not self.options.kv_streaming:
-            return False
+            return
         try:
-            return self.transport_for(target) == "shared"
+            transport = self.transport_for(target)
         except TransferError:
-            return False  # shipping reports it
+            return  # shipping reports it
+        stream = KVStream(request_id, target.worker_id, target.num_cached_blocks,
+                          list(target.block_ids))
+        if transport == "shared":
+            self.streams.open(stream, target.export_address)
+            return
+        dtype = str(self.loop.engine.dtype).removeprefix("torch.")
+        self.streams.open_dist(stream, PieceSender(
+            request_id, lambda layers, first, n: self._send_dist_piece(
+                target, request_id, dtype, layers, first, n, more=True)))
+
+    def _send_dist_piece(self, target: DecodeTarget, request_id: str, dtype: str,
+                         layers: Sequence[torch.Tensor], first_block: int, num_blocks: int,
+                         more: bool) -> TransferStats:
+        """Send packed blocks [first_block, +num_blocks) of the request's reservation and wait
+        for the decode worker's acknowledgement."""
+        acks: list[Callable[[float], object]] = []
+        stats = self.sender.send_packed(
+            target.worker_id, target.transfer_address, layers,
+            lambda generation, tag: acks.append(self.control.start_receive(
+                target, request_id, generation, tag, num_blocks, dtype, first_block, more)))
+        acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
+        return stats
 
     def _on_first(self, request_id: str, item: RequestOutput | BaseException,
                   target: DecodeTarget, done: Future[PrefillResult]) -> None:
@@ -177,8 +153,9 @@ class PrefillWorker:
                 if stream is not None:
                     self.streams.abandon(stream)
                 raise RuntimeError(f"request {request.request_id} aborted before its KV was sent")
-            # A streamed request's write is open on the shared transport: it ends there.
-            transport = "shared" if stream is not None else self.transport_for(target)
+            # A streamed request's transfer has begun on its transport: it ends there.
+            transport = self.transport_for(target) if stream is None else \
+                "dist" if stream.pieces is not None else "shared"
             started = time.perf_counter()
             sent = self._send(plan, transport)
             # The whole hand-over counts (control RPCs, packing, the wait for the decode side's
@@ -225,18 +202,28 @@ class PrefillWorker:
             return self._send_dist(plan)
 
     def _send_dist(self, plan: ShipPlan) -> TransferStats:
-        engine, target, rid = self.loop.engine, plan.target, plan.request.request_id
-        acks: list[Callable[[float], object]] = []
-        stats = self.sender.send(
-            target.worker_id, target.transfer_address, engine.runner.kv_caches, plan.blocks,
-            lambda generation, tag: acks.append(self.control.start_receive(
-                target, rid, generation, tag, len(plan.blocks), plan.dtype)))
-        acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
-        return stats
+        """The request's blocks, or those its pieces have not sent yet, as the last piece."""
+        engine, stream, first = self.loop.engine, plan.stream, 0
+        if stream is not None and stream.pieces is not None:
+            try:
+                stream.pieces.drain(self.options.transfer_timeout_s)
+            finally:
+                stream.pieces.close()
+            first = stream.sent
+        blocks = plan.blocks[first:]
+        stats = self._send_dist_piece(plan.target, plan.request.request_id, plan.dtype,
+                                      pack_blocks(engine.runner.kv_caches, blocks), first,
+                                      len(blocks), more=False)
+        return TransferStats(stats.num_bytes + first * self._block_bytes(), stats.seconds,
+                             stats.transport)
+
+    def _block_bytes(self) -> int:
+        caches = self.loop.engine.runner.kv_caches
+        return sum(c[:, 0].numel() * c.element_size() for c in caches)
 
     def _send_shared(self, plan: ShipPlan) -> TransferStats:
         target = plan.target
-        if plan.stream is not None:
+        if plan.stream is not None and plan.stream.pieces is None:
             return self.streams.complete(plan.stream, plan.request.block_ids)
         return self.shared.send(target.worker_id, target.export_address,
                                 plan.request.request_id, self.loop.engine.runner.kv_buffer.tensor,

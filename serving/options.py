@@ -41,8 +41,8 @@ class WorkerOptions:
     metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
     kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
-    # Prefill, shared transport: copy each chunk's finished blocks while later chunks compute,
-    # so a long prompt's first token waits only for its last chunk's copy (issue 16).
+    # Prefill: ship each chunk's finished blocks while later chunks compute (a copy on shared, a
+    # piece on dist), so a long prompt's first token waits only for its last chunk's (issue 16).
     kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
@@ -127,8 +127,8 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
                              "writes into the peer's cache, same host only), dist (torch."
                              "distributed pair groups), auto (shared on one host, else dist)")
     parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
-                        help="prefill, shared transport: copy each chunk's KV to the decode "
-                             "worker while the next chunks compute (off: all after the prompt)")
+                        help="prefill: ship each chunk's KV to the decode worker while the next "
+                             "chunks compute (off: all after the prompt)")
     _add_device_args(parser)
     args = parser.parse_args(argv)
     if getattr(args, "colocated", False):

@@ -90,11 +90,11 @@ def test_long_prompt_crosses_the_transfer_intact_and_reports_timings(
     streamed_before = streamed_bytes(cluster)
     tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
     assert tokens == reference[-2]
-    # Prefilled alone in 512-token chunks: on the shared transport every chunk but the last
-    # was copied while the next one computed, the rest (the tail) after the first token.
+    # Prefilled alone in 512-token chunks: every chunk but the last was streamed while the next
+    # one computed (a copy on shared, a piece on dist), the rest (the tail) after the first token.
     streamed = streamed_bytes(cluster) - streamed_before
     before_last_chunk = (len(ids) - 1) // 512 * 512 // 16 * BLOCK_BYTES
-    assert streamed == (before_last_chunk if cluster.spec.kv_transport == "shared" else 0)
+    assert streamed == before_last_chunk
     assert last.timings.kv_transport == cluster.spec.kv_transport
     assert last.timings.prefill_site == "remote"  # long, and the prefill pool is idle
     assert text  # detokenized by the router

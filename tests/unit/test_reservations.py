@@ -100,3 +100,41 @@ def test_a_failed_write_frees_and_a_ready_reservation_is_taken_once():
     assert table.take_ready("good").request_id == "good"
     assert "good" not in table and released == ["bad"]
     assert LeaseState.READY.value == "ready"
+
+
+def test_pieces_arrive_in_order_and_only_the_last_makes_the_kv_ready():
+    table, released, clock = make()
+    reserve(table, "r1", lease_s=5.0)
+    table.begin_receive("r1", first_block=0)
+    assert table.end_receive("r1", ok=True, more_after=4)  # blocks 0-3 landed, more to come
+    with pytest.raises(ValueError, match="first_block is 2; request 'r1' has received 4 blocks"):
+        table.begin_receive("r1", first_block=2)  # out of order: refused, nothing changes
+    with pytest.raises(KeyError, match="no KV yet"):
+        table.take_ready("r1")
+    table.begin_receive("r1", first_block=4)
+    assert table.end_receive("r1", ok=True)  # the last piece
+    assert table.take_ready("r1").request_id == "r1" and released == []
+
+
+def test_between_pieces_the_lease_runs_and_an_abort_frees_at_once():
+    table, released, clock = make()
+    reserve(table, "r1", lease_s=5.0)
+    reserve(table, "r2", lease_s=5.0)
+    for rid in ("r1", "r2"):
+        table.begin_receive(rid)
+        clock.now = 3.0
+        table.end_receive(rid, ok=True, more_after=2)  # the lease restarts: until 8.0
+    assert table.abort("r1") and released == ["r1"]  # no write in flight between pieces
+    clock.now = 7.9
+    assert table.expire() == []
+    clock.now = 8.0  # the sender vanished after its first piece: the lease ends it
+    assert table.expire() == ["r2"] and released == ["r1", "r2"]
+
+
+def test_a_failed_piece_frees_the_reservation():
+    table, released, _ = make()
+    reserve(table, "r1")
+    table.begin_receive("r1")
+    table.end_receive("r1", ok=True, more_after=3)
+    table.begin_receive("r1", first_block=3)
+    assert table.end_receive("r1", ok=False) is False and released == ["r1"]
