@@ -65,11 +65,12 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
+        admission_s = 0.0
         try:
             if request.HasField("first_token_id"):
                 first_lp = (logprob_from_proto(request.first_logprob)
                             if request.HasField("first_logprob") else None)
-                outputs = self.worker.admit(rid, request.first_token_id, first_lp)
+                admission_s, outputs = self.worker.admit(rid, request.first_token_id, first_lp)
             else:
                 self.gate.check_new(context, "Decode")
                 outputs = self.worker.generate(rid, list(request.prompt_token_ids),
@@ -84,8 +85,11 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         # the id is unknown and the abort is a no-op.
         context.add_callback(lambda: self.worker.abort_later(rid))
         try:
-            for output in outputs:
-                yield _chunk(output)
+            for i, output in enumerate(outputs):
+                chunk = _chunk(output)
+                if i == 0:
+                    chunk.admission_s = admission_s
+                yield chunk
         except TimeoutError as exc:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RuntimeError as exc:
@@ -100,6 +104,8 @@ def _chunk(output: RequestOutput) -> pb.TokenChunk:
     chunk = pb.TokenChunk(token_ids=output.new_token_ids)
     if len(output.token_ids) == len(output.new_token_ids):  # the first chunk
         chunk.cached_tokens = output.num_cached_tokens
+        chunk.queue_s = output.queue_s or 0.0
+        chunk.prefill_s = (output.ttft_s or 0.0) - chunk.queue_s
     if output.logprobs is not None:
         offset = len(output.token_ids) - len(output.new_token_ids)
         chunk.logprobs.extend(logprob_to_proto(t, output.logprobs[offset + i])

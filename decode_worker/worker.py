@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -150,9 +151,11 @@ class DecodeWorker:
                         request_id)
 
     def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None
-              ) -> Iterator[RequestOutput]:
-        """Start decoding a request whose KV arrived; yields its outputs (first token first)."""
+              ) -> tuple[float, Iterator[RequestOutput]]:
+        """Start decoding a request whose KV arrived: the seconds until it joined the batch
+        (the loop finishing its step), and its outputs (first token first)."""
         outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        called = time.monotonic()
 
         def run(engine: LLMEngine) -> None:
             request = self.table.take_ready(request_id)
@@ -162,7 +165,7 @@ class DecodeWorker:
                 self.loop.deliver(first)
 
         self.loop.call(run, COMMAND_TIMEOUT_S)
-        return _drain(outputs)
+        return time.monotonic() - called, _drain(outputs)
 
     # ---- colocated path --------------------------------------------------------------------
     def generate(self, request_id: str, token_ids: list[int], params: SamplingParams

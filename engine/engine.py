@@ -33,6 +33,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # arrival → first token
     latency_s: float | None = None  # arrival → finish
+    queue_s: float | None = None  # arrival → its first step (the rest of ttft_s is compute)
 
 
 class LLMEngine:
@@ -171,6 +172,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        now = time.monotonic()
+        for scheduled in out.scheduled:
+            if scheduled.request.first_scheduled_time is None:
+                scheduled.request.first_scheduled_time = now
         result = self.runner.execute(out)
         updates = self.scheduler.update(out, result.sampled, result.logprobs)
         return [self._from_update(u) for u in updates]
@@ -197,4 +202,6 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             ttft_s=None if first is None else first - request.arrival_time,
             latency_s=now - request.arrival_time if request.is_finished else None,
+            queue_s=None if request.first_scheduled_time is None
+            else request.first_scheduled_time - request.arrival_time,
         )

@@ -115,6 +115,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # its first step began (the end of its queueing)
     first_token_time: float | None = None
     finished_time: float | None = None
     text_stream: TextStream | None = None

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--colocated", type=int, default=0)
             p.add_argument("--model", default="default")
             p.add_argument("--kv-cache-gb", type=float, default=None)
+        p.add_argument("--api", default="grpc", choices=["grpc", "http"],
+                       help="the router's gRPC API, or its OpenAI-compatible HTTP API (run: "
+                            "--address is then the HTTP address, e.g. 127.0.0.1:8000)")
         p.add_argument("--slo", default=str(REPO_ROOT / "loadtest" / "slo.yaml"))
         p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
         p.add_argument("--shape", default="constant", choices=SHAPES)
@@ -59,7 +62,7 @@ def locust_command(args: argparse.Namespace, address: str) -> list[str]:
             "--shape-users", str(args.users), "--shape-spawn-rate", str(args.spawn_rate),
             "--shape-duration-s", str(args.duration_s), "--max-requests", str(args.max_requests),
             "--max-tokens-cap", str(args.max_tokens_cap),
-            "--request-timeout-s", str(args.request_timeout_s)]
+            "--request-timeout-s", str(args.request_timeout_s), "--api", args.api]
 
 
 def run_locust(args: argparse.Namespace, address: str) -> int:
@@ -86,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                        decode=0 if colocated else args.decode, colocated=colocated,
                        model=args.model, port=0, kv_cache_gb=args.kv_cache_gb)
     with LocalCluster(spec, log_dir=args.out / "logs").start() as cluster:
-        print(f"cluster ready on {cluster.address}; running the load test", flush=True)
-        return run_locust(args, cluster.address)
+        address = cluster.status().http_address if args.api == "http" else cluster.address
+        print(f"cluster ready on {address} ({args.api}); running the load test", flush=True)
+        return run_locust(args, address)
 
 
 if __name__ == "__main__":

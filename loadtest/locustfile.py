@@ -1,8 +1,11 @@
-"""Locust users that stream `Generate` from the cluster's router over gRPC.
+"""Locust users that stream generations from the cluster's router: `Generate` over gRPC
+(`--api grpc`, the default) or `POST /v1/completions` with `stream: true` over its
+OpenAI-compatible HTTP API (`--api http`; --host is then the HTTP address).
 
-Each request records three Locust entries (request type "grpc"): TTFT (request sent -> first
-token), ITL (every gap between token messages) and E2E (request sent -> last message); a failed
-request is one E2E failure whose error is its gRPC status code. At the end the SLO file's verdict
+Each request records three Locust entries (request type "grpc" or "http"): TTFT (request sent ->
+first token), ITL (every gap between token messages or events) and E2E (request sent -> last
+message); a failed request is one E2E failure whose error is its gRPC status code or HTTP
+status. At the end the SLO file's verdict
 is printed per entry and the process exits non-zero when any SLO is missed or nothing completed.
 
 Run it through `python -m loadtest run|local` (which passes the options below), or directly:
@@ -11,10 +14,14 @@ Run it through `python -m loadtest run|local` (which passes the options below), 
 
 from __future__ import annotations
 
+import json
+
 import gevent  # locust has already monkey-patched the standard library
 import grpc
 import grpc.experimental.gevent as grpc_gevent
+import requests
 from locust import LoadTestShape, User, constant, events, task
+from locust.stats import CSV_STATS_INTERVAL_SEC
 
 grpc_gevent.init_gevent()  # after the monkey-patch, before any gRPC object exists
 
@@ -39,6 +46,7 @@ def _options(parser) -> None:  # noqa: ANN001 - locust's argparse wrapper
     parser.add_argument("--shape-spawn-rate", type=float, default=4.0)
     parser.add_argument("--shape-duration-s", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api", default="grpc", choices=["grpc", "http"])
 
 
 @events.init.add_listener
@@ -66,40 +74,78 @@ class GenerateUser(User):
     wait_time = constant(0)  # closed loop: each user sends its next request at once
 
     def on_start(self) -> None:
+        self.api = self.environment.parsed_options.api
+        if self.api == "http":
+            self.session = requests.Session()
+            self.base = self.host if "://" in self.host else f"http://{self.host}"
+            reply = self.session.get(f"{self.base}/v1/models", timeout=30)
+            reply.raise_for_status()
+            self.model = reply.json()["data"][0]["id"]
+            return
         self.channel = grpc.insecure_channel(self.host)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
     def on_stop(self) -> None:
-        self.channel.close()
+        if self.api == "http":
+            self.session.close()
+        else:
+            self.channel.close()
 
     @task
     def generate(self) -> None:
-        env = self.environment
-        item = env.sampler.next()
+        item = self.environment.sampler.next()
+        start = _now()
+        try:
+            if self.api == "http":
+                tokens = self._stream_http(item, start)
+            else:
+                tokens = self._stream_grpc(item, start)
+            self._record("E2E", _now() - start, tokens)
+        except RequestFailed as exc:
+            self._record("E2E", _now() - start, 0, exc)
+        self._count_end()
+
+    def _stream_grpc(self, item, start: float) -> int:  # noqa: ANN001 - a workload item
         request = pb.GenerateRequest(
             prompt_token_ids=pb.TokenIds(ids=item.prompt_token_ids),
             sampling=pb.SamplingOptions(max_tokens=item.max_tokens, temperature=0,
                                         ignore_eos=item.ignore_eos))
-        start = last = _now()
-        first = True
-        tokens = 0
+        timer = _Gaps(self, start)
         try:
-            for part in self.stub.Generate(request,
-                                           timeout=env.parsed_options.request_timeout_s):
-                now = _now()
+            for part in self.stub.Generate(
+                    request, timeout=self.environment.parsed_options.request_timeout_s):
                 if part.token_ids:
-                    self._record("TTFT" if first else "ITL", now - (start if first else last))
-                    first, last = False, now
-                    tokens += len(part.token_ids)
-            self._record("E2E", _now() - start, tokens)
+                    timer.tokens(len(part.token_ids))
         except grpc.RpcError as exc:
-            self._record("E2E", _now() - start, tokens, RequestFailed(exc.code().name))
-        self._count_end()
+            raise RequestFailed(exc.code().name) from exc
+        return timer.count
+
+    def _stream_http(self, item, start: float) -> int:  # noqa: ANN001 - a workload item
+        body = {"model": self.model, "prompt": item.prompt_token_ids, "stream": True,
+                "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": item.ignore_eos}
+        timer = _Gaps(self, start)
+        try:
+            with self.session.post(f"{self.base}/v1/completions", json=body, stream=True,
+                                   timeout=self.environment.parsed_options.request_timeout_s
+                                   ) as reply:
+                if reply.status_code != 200:
+                    raise RequestFailed(f"HTTP {reply.status_code}")
+                for line in reply.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RequestFailed(f"stream error: {event['error']['type']}")
+                    if event["choices"] and event["choices"][0].get("text"):
+                        timer.tokens(1)
+        except requests.RequestException as exc:
+            raise RequestFailed(type(exc).__name__) from exc
+        return timer.count
 
     def _record(self, name: str, seconds: float, length: int = 0,
                 error: Exception | None = None) -> None:
         self.environment.events.request.fire(
-            request_type="grpc", name=name, response_time=seconds * 1000.0,
+            request_type=self.api, name=name, response_time=seconds * 1000.0,
             response_length=length, exception=error, context={})
 
     def _count_end(self) -> None:
@@ -110,7 +156,21 @@ class GenerateUser(User):
 
 
 class RequestFailed(Exception):
-    """A failed request; its message (the gRPC status code) is how Locust groups failures."""
+    """A failed request; its message (the gRPC status code, or the HTTP status) is how Locust
+    groups failures."""
+
+
+class _Gaps:
+    """Records a stream's TTFT and inter-token gaps as they arrive."""
+
+    def __init__(self, user: GenerateUser, start: float):
+        self.user, self.last, self.count = user, start, 0
+
+    def tokens(self, n: int) -> None:
+        now = _now()
+        self.user._record("TTFT" if self.count == 0 else "ITL", now - self.last)
+        self.last = now
+        self.count += n
 
 
 def _now() -> float:
@@ -121,14 +181,19 @@ def _now() -> float:
 
 @events.quitting.add_listener
 def _verdict(environment, **_kwargs) -> None:  # noqa: ANN001
+    if getattr(environment.parsed_options, "csv_prefix", None):
+        # Locust's CSV writer runs every CSV_STATS_INTERVAL_SEC and never at shutdown: a run
+        # that ends between two writes would leave stale files. It is still running here.
+        gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.5)
     stats = environment.stats
     slo: SLO = environment.slo
     measured = {}
+    api = environment.parsed_options.api
     for latency in (slo.ttft, slo.itl):
-        entry = stats.get(latency.name, "grpc")
+        entry = stats.get(latency.name, api)
         measured[latency.name] = (entry.get_response_time_percentile(latency.percentile / 100)
                                   if entry.num_requests else None)
-    e2e = stats.get("E2E", "grpc")
+    e2e = stats.get("E2E", api)
     verdicts = judge(slo, measured, e2e.num_requests, e2e.num_failures)
     print("\nSLO verdict:")
     for verdict in verdicts:

@@ -32,7 +32,8 @@ class PrefillResult:
     finish_reason: str | None  # set when the first token ends the request (nothing shipped)
     stop_reason: int | str | None
     cached_tokens: int
-    prefill_s: float
+    queue_s: float  # arrival here -> the prompt's first step
+    prefill_s: float  # the prompt's first step -> its first token
     transfer: TransferStats | None
 
 

@@ -113,7 +113,8 @@ def _target(request: pb.PrefillRequest) -> DecodeTarget:
 
 def _response(result: PrefillResult) -> pb.PrefillResponse:
     response = pb.PrefillResponse(first_token_id=result.first_token,
-                                  cached_tokens=result.cached_tokens, prefill_s=result.prefill_s)
+                                  cached_tokens=result.cached_tokens, prefill_s=result.prefill_s,
+                                  queue_s=result.queue_s)
     if result.logprobs is not None:
         response.first_logprob.CopyFrom(logprob_to_proto(result.first_token, result.logprobs))
     if result.transfer is not None:

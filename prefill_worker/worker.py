@@ -241,7 +241,8 @@ class PrefillWorker:
             finish_reason=first.finish_reason if first.finished else None,
             stop_reason=first.stop_reason if first.finished else None,
             cached_tokens=first.num_cached_tokens,
-            prefill_s=first.ttft_s or 0.0,
+            queue_s=first.queue_s or 0.0,
+            prefill_s=(first.ttft_s or 0.0) - (first.queue_s or 0.0),
             transfer=stats)
 
     def abort(self, request_id: str) -> bool:

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="requests waiting for a slot; beyond, RESOURCE_EXHAUSTED at once")
     serve.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0: any free port, shown at start)")
+    serve.add_argument("--http-port", type=int, default=8000,
+                       help="OpenAI-compatible HTTP API port (on --host; 0 turns it off)")
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
     _add_placement_args(serve)
@@ -48,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--dtype", default=None)
     launch.add_argument("--kv-cache-gb", type=float, default=None)
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
+    launch.add_argument("--http-port", type=int, default=8000,
+                        help="the router's OpenAI-compatible HTTP API port (0 turns it off)")
     _add_gpu_args(launch)
     _add_placement_args(launch)
     client = sub.add_parser("client", help="stream a generation")
@@ -144,7 +148,8 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads=args.threads, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
                        device=args.device, gpus=gpus,
                        gpu_memory_fraction=args.gpu_memory_fraction,
-                       kv_transport=args.kv_transport, router_args=placement_argv(args))
+                       kv_transport=args.kv_transport, router_args=placement_argv(args),
+                       http_port=args.http_port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 host=args.host, port=args.port, model=args.model,
                 heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
                 max_queued=args.max_queued, metrics_port=args.metrics_port,
+                http_port=args.http_port,
                 grace_s=args.grace_s, **placement_options(args))
         except ValueError as exc:
             parser.error(str(exc))

@@ -26,6 +26,27 @@ class Finished:
     prefill_started: float = 0.0
     attempts: int = 1
     prefill_site: str = ""  # remote, local or colocated (the last attempt's)
+    # Where the time to the first token went (pb.Timings), as the workers report it:
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    decode_admission_s: float = 0.0
+
+    def note_prefill(self, first: pb.PrefillResponse) -> None:
+        """A prefill worker's answer: its cache hit, queue and compute, and the KV it shipped."""
+        self.cached_tokens = self.cached_tokens or first.cached_tokens
+        self.prefill_queue_s, self.prefill_compute_s = first.queue_s, first.prefill_s
+        self.kv_transfer_s += first.kv_transfer_s
+        self.kv_transfer_bytes += first.kv_transfer_bytes
+        self.kv_transport = first.kv_transport or self.kv_transport
+
+    def note_first_chunk(self, chunk: pb.TokenChunk, whole: bool) -> None:
+        """A decode stream's first chunk: a whole generation's cache hit, queue and compute, or
+        an admitted request's admission."""
+        self.cached_tokens = self.cached_tokens or chunk.cached_tokens
+        if whole:
+            self.prefill_queue_s, self.prefill_compute_s = chunk.queue_s, chunk.prefill_s
+        else:
+            self.decode_admission_s = chunk.admission_s
 
 
 def continuation(job: Job, emitted: list[int], attempt: int) -> Job:

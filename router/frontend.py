@@ -62,6 +62,10 @@ class Frontend:
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         return Job(rid, f"{rid}#{uuid.uuid4().hex[:8]}", token_ids, params, arrival)
 
+    def tokens(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids (ValueError naming the field when it has none)."""
+        return self._tokens(request)
+
     def _tokens(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "prompt":

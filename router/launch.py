@@ -44,6 +44,7 @@ class ClusterSpec:
     ready_timeout_s: float = 300.0
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    http_port: int | None = None  # the router's OpenAI HTTP API (None: any free port; 0: off)
     device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
@@ -116,9 +117,12 @@ class LocalCluster:
         port = self.spec.port or free_port(self.spec.host)
         self.address = f"{self.spec.host}:{port}"
         try:
+            http_port = self.spec.http_port
+            if http_port is None:
+                http_port = free_port(self.spec.host)
             self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
-                                   str(port), "--model", self.spec.model,
-                                   *self.spec.router_args])
+                                   str(port), "--model", self.spec.model, "--http-port",
+                                   str(http_port), *self.spec.router_args])
             if not wait_healthy(self.address, 60.0):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
@@ -247,11 +251,13 @@ def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
         signal.signal(sig, lambda *_: stop.update(now=True))
     print("starting the cluster (loading the model in every worker)...", flush=True)
     cluster.start()
+    http = cluster.status().http_address
     print(f"cluster ready: {cluster.address}  "
           f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated"
           f"{_gpu_note(cluster)})\n"
           f"try: .venv/bin/python -m router client --address {cluster.address} \"Hello!\"\n"
-          "Ctrl-C stops everything.", flush=True)
+          + (f"OpenAI-compatible API: http://{http}/v1\n" if http else "")
+          + "Ctrl-C stops everything.", flush=True)
     try:
         while not stop["now"]:
             dead = [n for n, p in cluster.processes.items() if p.poll() is not None]

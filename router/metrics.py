@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve_proto import pdserve_pb2 as pb
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
 
@@ -61,7 +63,22 @@ class RouterMetrics:
                                      "disaggregated requests were prefilled: remote (a prefill "
                                      "worker) or local (the decode worker), and why",
                                      ["site", "reason"], registry=self.registry)
+        self.phases = Histogram("pdserve_router_request_phase_seconds", "Where a finished "
+                                "request's time to first token went: router_queue, "
+                                "prefill_queue, prefill_compute, kv_transfer (KV shipped), "
+                                "decode_admission (KV shipped), ttft", ["phase"],
+                                registry=self.registry, buckets=LATENCY_BUCKETS)
         self.http_port = 0
+
+    def observe_phases(self, timings: pb.Timings) -> None:
+        phases = {"router_queue": timings.router_queue_s,
+                  "prefill_queue": timings.prefill_queue_s,
+                  "prefill_compute": timings.prefill_compute_s, "ttft": timings.ttft_s}
+        if timings.kv_transfer_bytes:
+            phases["kv_transfer"] = timings.kv_transfer_s
+            phases["decode_admission"] = timings.decode_admission_s
+        for phase, seconds in phases.items():
+            self.phases.labels(phase).observe(max(0.0, seconds))
 
     def watch(self, queued: Callable[[], int], running: Callable[[], int],
               workers: Callable[[], dict[str, int]]) -> None:

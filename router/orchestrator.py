@@ -216,10 +216,7 @@ class Orchestrator:
             finally:
                 self.placement.release(charge)
             end.prefill_started = end.prefill_started or started
-            end.cached_tokens = end.cached_tokens or first.cached_tokens
-            end.kv_transfer_s += first.kv_transfer_s
-            end.kv_transfer_bytes += first.kv_transfer_bytes
-            end.kv_transport = first.kv_transport or end.kv_transport
+            end.note_prefill(first)
             transport = first.kv_transport or "none"
             self.metrics.kv_transfer_bytes.labels(transport).inc(first.kv_transfer_bytes)
             self.metrics.kv_transfer_seconds.labels(transport).inc(first.kv_transfer_s)
@@ -257,12 +254,15 @@ class Orchestrator:
                 end: Finished, on_first: Callable[[], None] | None = None
                 ) -> Iterator[Tokens | Finished]:
         call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
+        first = True
         try:
             for chunk in call:
                 if on_first is not None:
                     on_first()
                     on_first = None
-                end.cached_tokens = end.cached_tokens or chunk.cached_tokens
+                if first:
+                    end.note_first_chunk(chunk, whole=not message.HasField("first_token_id"))
+                    first = False
                 if chunk.token_ids:
                     yield Tokens(list(chunk.token_ids), list(chunk.logprobs))
                 if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:

@@ -16,6 +16,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.admission import QUEUE_POLICIES, Admission
 from router.frontend import Frontend
+from router.http_api import HttpApi
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.placement import PlacementPolicy
@@ -42,6 +43,7 @@ class RouterOptions:
     max_running: int = 256  # requests served at once
     max_queued: int = 1024  # requests waiting for a slot; beyond: RESOURCE_EXHAUSTED
     metrics_port: int = 0  # 0: any free port
+    http_port: int = 8000  # the OpenAI-compatible HTTP API on `host` (0: off)
     grace_s: float = 30.0  # drain on SIGTERM
     cache_aware: bool = True  # placement counts what workers' prefix caches hold
     local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
@@ -49,7 +51,7 @@ class RouterOptions:
     queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got "
                                  f"{getattr(self, name)}")
@@ -104,6 +106,8 @@ class Router:
         self._stopped = threading.Event()
         self.server: Server | None = None
         self.generation: GenerationServicer | None = None
+        self.http: HttpApi | None = None
+        self.http_address = ""
 
     def _placeable_workers(self) -> dict[str, int]:
         return {role.value: len(self.registry.placeable(lambda r, role=role: r is role))
@@ -115,6 +119,10 @@ class Router:
         generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,
                                         self.admission, self.metrics, self.metrics_address)
         self.generation = generation
+        if self.options.http_port:
+            self.http = HttpApi(generation, self.options.host, self.options.http_port)
+            self.http_address = f"{self.options.host}:{self.http.start()}"
+            generation.http_address = self.http_address
         registry = WorkerRegistryServicer(self.registry, self.model_name,
                                           self.options.heartbeat_interval_s)
         self.server = start_server(
@@ -147,6 +155,8 @@ class Router:
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stopped.set()
+        if self.http is not None:
+            self.http.stop()
         if self.server is not None:
             self.server.stop(grace_s)
 
@@ -154,8 +164,9 @@ class Router:
 def serve(options: RouterOptions) -> int:
     router = Router(options)
     port = router.start()
+    http = f", OpenAI API: http://{router.http_address}/v1" if router.http_address else ""
     print(f"router serving on {options.host}:{port} "
-          f"(metrics: http://{router.metrics_address}/metrics)", flush=True)
+          f"(metrics: http://{router.metrics_address}/metrics{http})", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

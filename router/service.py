@@ -38,13 +38,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.admission = admission
         self.metrics = metrics
         self.metrics_address = metrics_address
+        self.http_address = ""  # the OpenAI-compatible HTTP API, when served
         self.draining = threading.Event()
 
     def Generate(self, request: pb.GenerateRequest | Unparsable, context: grpc.ServicerContext
                  ) -> Iterator[pb.GenerateResponse]:
         code = grpc.StatusCode.CANCELLED  # unless it finishes or fails with a status
         try:
-            yield from self._generate(request, context)
+            scope = CallScope(context.time_remaining())
+            context.add_callback(scope.cancel)
+            yield from self.stream(request, scope)
             code = grpc.StatusCode.OK
         except RouterError as exc:
             code = exc.code
@@ -52,8 +55,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             self.metrics.requests.labels(code.name).inc()
 
-    def _generate(self, request: pb.GenerateRequest | Unparsable,
-                  context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope
+               ) -> Iterator[pb.GenerateResponse]:
+        """A request's responses, whatever the front end (gRPC here, HTTP in router.http_api):
+        RouterError ends it with a status; `scope` carries its deadline and cancellation."""
         arrival = time.monotonic()
         if isinstance(request, Unparsable):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
@@ -64,11 +69,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             job = self.frontend.parse(request, arrival)
         except ValueError as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        scope = CallScope(context.time_remaining())
-        context.add_callback(scope.cancel)
         self._enter(scope, len(job.token_ids))
         try:
-            yield from self._stream(job, scope)
+            yield from self._stream(job, scope, time.monotonic() - arrival)
         finally:
             self.admission.leave()
 
@@ -83,7 +86,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
                               "passed while it waited in the router's queue") from None
 
-    def _stream(self, job: Job, scope: CallScope) -> Iterator[pb.GenerateResponse]:
+    def _stream(self, job: Job, scope: CallScope, router_queue_s: float
+                ) -> Iterator[pb.GenerateResponse]:
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
         completion_tokens = 0
         first_token_time = last_token_time = None
@@ -102,7 +106,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                           logprobs=event.logprobs)
             else:
                 self.metrics.e2e.observe(now - job.arrival)
-                yield self._last(job, event, text, completion_tokens, first_token_time)
+                last = self._last(job, event, text, completion_tokens, first_token_time)
+                last.timings.router_queue_s = router_queue_s
+                self.metrics.observe_phases(last.timings)
+                yield last
 
     def _last(self, job: Job, end: Finished, text: IncrementalText, completion_tokens: int,
               first_token_time: float | None) -> pb.GenerateResponse:
@@ -116,7 +123,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 queue_s=max(0.0, end.prefill_started - job.arrival),
                 ttft_s=(first_token_time or now) - job.arrival, e2e_s=now - job.arrival,
                 kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes,
-                kv_transport=end.kv_transport, prefill_site=end.prefill_site))
+                kv_transport=end.kv_transport, prefill_site=end.prefill_site,
+                prefill_queue_s=end.prefill_queue_s, prefill_compute_s=end.prefill_compute_s,
+                decode_admission_s=end.decode_admission_s))
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:
@@ -152,7 +161,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ClusterStatus(model=self.frontend.model_name, workers=workers,
                                 queued_requests=self.admission.queued,
                                 running_requests=self.admission.running,
-                                metrics_address=self.metrics_address)
+                                metrics_address=self.metrics_address,
+                                http_address=self.http_address)
 
 
 class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):

@@ -1,5 +1,6 @@
 """The Locust load test, headless, against a local 1P+1D cluster of the tiny model: a loose SLO
-passes (exit 0, CSV + HTML written, every entry recorded), an impossible one exits non-zero —
+passes (exit 0, CSV + HTML written, every entry recorded) over gRPC and over the OpenAI HTTP
+API, an impossible one exits non-zero —
 and `loadtest local` starts and stops its own cluster, leaving no process behind."""
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def test_a_loose_slo_passes_and_writes_the_reports(cluster, tmp_path):
     assert int(rows["E2E"]["Request Count"]) > 0 and int(rows["TTFT"]["Request Count"]) > 0
     assert int(rows["ITL"]["Request Count"]) > 0 and int(rows["E2E"]["Failure Count"]) == 0
     assert (out / "report.html").stat().st_size > 0
+
+
+def test_the_http_user_streams_openai_completions_with_the_same_entries(cluster, tmp_path):
+    out = tmp_path / "out"
+    done = _loadtest("run", "--api", "http", "--address", cluster.status().http_address,
+                     "--slo", _slo(tmp_path, 60000), "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (out / "locust_stats.csv").open() as f:
+        rows = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+    for name in ("TTFT", "ITL", "E2E"):
+        assert int(rows[("http", name)]["Request Count"]) > 0, name
+    assert int(rows[("http", "E2E")]["Failure Count"]) == 0
 
 
 def test_an_impossible_slo_exits_non_zero(cluster, tmp_path):

@@ -1,0 +1,143 @@
+"""OpenAI request bodies -> the router's GenerateRequest, and its responses -> OpenAI JSON,
+without a cluster: every refusal names its field and limit."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve_proto import pdserve_pb2 as pb
+from router.openai_wire import ApiError, logprobs_json, parse, timings, usage
+
+MODEL = "tiny"
+
+
+def refused(body: dict, chat: bool = False) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse(body, chat, MODEL)
+    return caught.value
+
+
+def test_a_completion_maps_every_sampling_field():
+    api = parse({"model": MODEL, "prompt": "hi", "max_tokens": 5, "temperature": 0.5,
+                 "top_p": 0.9, "top_k": 40, "seed": 7, "stop": "\n", "logprobs": 2,
+                 "stop_token_ids": [3], "ignore_eos": True, "user": "u1"}, False, MODEL)
+    s = api.request.sampling
+    assert api.request.prompt == "hi" and api.request.model == MODEL
+    assert (s.max_tokens, s.temperature, round(s.top_p, 3), s.top_k, s.seed) == \
+        (5, 0.5, 0.9, 40, 7)
+    assert list(s.stop) == ["\n"] and list(s.stop_token_ids) == [3] and s.ignore_eos
+    assert s.logprobs == 2 and api.logprobs == 2 and not api.stream
+    assert api.request.request_id.startswith("cmpl-")
+
+
+def test_defaults_follow_openai():
+    api = parse({"model": MODEL, "prompt": [1, 2, 3]}, False, MODEL)
+    s = api.request.sampling
+    assert list(api.request.prompt_token_ids.ids) == [1, 2, 3]
+    assert s.max_tokens == 16 and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == -1
+    assert not s.HasField("seed") and not s.HasField("logprobs") and api.logprobs is None
+    chat = parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, True, MODEL)
+    assert not chat.max_tokens_given and not chat.request.sampling.HasField("max_tokens")
+    assert chat.request.request_id.startswith("chatcmpl-")
+
+
+def test_chat_messages_text_parts_logprobs_and_stream_options():
+    api = parse({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
+                 "messages": [{"role": "system", "content": "be brief"},
+                              {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}],
+                 "logprobs": True, "top_logprobs": 3, "max_completion_tokens": 9}, True, MODEL)
+    assert [(m.role, m.content) for m in api.request.chat.messages] == [
+        ("system", "be brief"), ("user", "ab")]
+    assert api.stream and api.include_usage and api.logprobs == 3
+    assert api.request.sampling.max_tokens == 9 and api.max_tokens_given
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": "x"}, "model", "is required"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", "[1, 1073741824], got 0"),
+    ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature", "[0, 2], got 3"),
+    ({"model": MODEL, "prompt": "x", "top_p": -1}, "top_p", "[0, 1], got -1"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs", "[0, 20], got 21"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "must be 1"),
+    ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
+     "not supported"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "batches of more than one"),
+    ({"model": MODEL, "prompt": [1, -2]}, "prompt", "token ids (ints >= 0)"),
+    ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty string"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options", "only allowed with stream: true"),
+    ({"model": MODEL, "prompt": "x", "seed": -1}, "seed", "got -1"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream", "true or false"),
+])
+def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
+    error = refused(body)
+    assert error.status == 400 and error.param == param and words in error.message
+    assert error.message.startswith(param)
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_chat_refusals_and_an_unknown_model():
+    assert refused({"model": MODEL, "messages": []}, chat=True).param == "messages"
+    error = refused({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, chat=True)
+    assert error.param == "messages[0].content"
+    error = refused({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                     "top_logprobs": 2}, chat=True)
+    assert error.param == "top_logprobs" and "needs logprobs: true" in error.message
+    missing = refused({"model": "gpt-4", "prompt": "x"})
+    assert missing.status == 404 and missing.code == "model_not_found"
+    assert refused([1, 2]).message == "the request body must be a JSON object"
+
+
+def test_router_statuses_map_to_http_codes_with_this_apis_field_names():
+    cases = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+             grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+             grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500}
+    for code, status in cases.items():
+        assert ApiError.from_status(code, "m").status == status
+    error = ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "sampling.top_k must be -1, 0 or >= 1, got -5")
+    assert error.message == "top_k must be -1, 0 or >= 1, got -5"
+    error = ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "prompt_token_ids contains 99999, outside the vocabulary")
+    assert error.message.startswith("prompt contains 99999")
+
+
+def response() -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        usage=pb.Usage(prompt_tokens=10, completion_tokens=4, cached_tokens=8),
+        timings=pb.Timings(ttft_s=0.5, e2e_s=1.0, router_queue_s=0.1, prefill_queue_s=0.05,
+                           prefill_compute_s=0.3, kv_transfer_s=0.01, kv_transfer_bytes=100,
+                           kv_transport="shared", decode_admission_s=0.02,
+                           prefill_site="remote"))
+
+
+def test_usage_reports_cached_tokens_and_timings_the_breakdown():
+    assert usage(response()) == {"prompt_tokens": 10, "completion_tokens": 4,
+                                 "total_tokens": 14,
+                                 "prompt_tokens_details": {"cached_tokens": 8}}
+    t = timings(response())
+    assert t["router_queue_s"] == pytest.approx(0.1) and t["kv_transport"] == "shared"
+    assert t["decode_admission_s"] == pytest.approx(0.02) and t["prefill_site"] == "remote"
+
+
+def test_logprobs_take_the_k_most_likely_with_the_sampled_token_among_them():
+    items = [pb.TokenLogprob(token_id=5, logprob=-0.1, top={6: -2.0, 7: -3.0}),
+             pb.TokenLogprob(token_id=8, logprob=-4.0, top={9: -0.5, 6: -1.0})]
+    text = {5: "a", 6: "b", 7: "c", 8: "dd", 9: "e"}.__getitem__
+    completion = parse({"model": MODEL, "prompt": "x", "logprobs": 2}, False, MODEL)
+    out = logprobs_json(completion, items, text, offset=3)
+    assert out["tokens"] == ["a", "dd"] and out["token_logprobs"] == [
+        pytest.approx(-0.1), pytest.approx(-4.0)]
+    assert out["top_logprobs"] == [{"a": pytest.approx(-0.1), "b": -2.0},
+                                   {"e": -0.5, "b": -1.0}]
+    assert out["text_offset"] == [3, 4]
+    chat = parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                  "logprobs": True, "top_logprobs": 1}, True, MODEL)
+    content = logprobs_json(chat, items, text)["content"]
+    assert content[1]["token"] == "dd" and content[1]["bytes"] == [100, 100]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["e"]
+    assert logprobs_json(parse({"model": MODEL, "prompt": "x"}, False, MODEL), items,
+                         text) is None
