@@ -29,18 +29,21 @@ def _placement() -> dict[str, Any]:
 
 
 class RouterActor:
-    def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int):
+    def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int,
+                 http_port: int = 8000):
         from router.server import Router, RouterOptions
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.router = Router(RouterOptions(host=_host(host), port=port, model=model,
-                                           max_running=max_running, max_queued=max_queued))
+                                           max_running=max_running, max_queued=max_queued,
+                                           http_port=http_port))
         self.port = self.router.start()
         self.address = f"{self.router.options.host}:{self.port}"
 
     def info(self) -> dict[str, Any]:
         return {"role": "router", "id": "router", "address": self.address,
-                "metrics_address": self.router.metrics_address, **_placement()}
+                "metrics_address": self.router.metrics_address,
+                "http_address": self.router.http_address, **_placement()}
 
     def stop(self) -> bool:
         """Drain (in-flight streams finish within the grace period), then stop serving."""

@@ -15,6 +15,7 @@ Schema (every key optional except where noted; unknown keys are errors):
     router:
       host: 127.0.0.1          # an interface, or "node-ip" for the node's address
       port: 50051              # fixed: a restarted router must keep its address
+      http_port: 8000          # its OpenAI-compatible HTTP API (0: off)
       max_running: 256
       max_queued: 1024
       max_restarts: -1         # -1: restart forever
@@ -89,6 +90,7 @@ class ModelSection:
 class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000
     max_running: int = 256
     max_queued: int = 1024
     max_restarts: int = -1
@@ -98,6 +100,8 @@ class RouterSection:
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"router.port must be in [1, 65535] (a fixed port: a restarted "
                               f"router keeps its address), got {self.port}")
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"router.http_port must be in [0, 65535] (0: off): {self.http_port}")
         if self.max_running < 1 or self.max_queued < 0:
             raise ConfigError(f"router.max_running must be >= 1 and router.max_queued >= 0, "
                               f"got {self.max_running} and {self.max_queued}")

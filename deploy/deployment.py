@@ -121,7 +121,7 @@ def _start_router(config: DeployConfig) -> Any:
         max_restarts=section.max_restarts, max_concurrency=4, num_cpus=section.num_cpus,
         resources={HEAD_RESOURCE: 0.001},
     ).remote(section.host, section.port, config.model.path, section.max_running,
-             section.max_queued)
+             section.max_queued, section.http_port)
 
 
 def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,

@@ -58,6 +58,9 @@ def _setup(environment, **_kwargs) -> None:  # noqa: ANN001
     environment.sampler = WorkloadSampler(
         load_workload(options.workload, options.max_tokens_cap or None), options.seed)
     environment.requests_ended = 0
+    # The user class for --api (locust would otherwise run every class in this file).
+    environment.user_classes[:] = [u for u in environment.user_classes
+                                   if getattr(u, "api", None) == options.api]
 
 
 class ConfiguredShape(LoadTestShape):
@@ -71,76 +74,27 @@ class ConfiguredShape(LoadTestShape):
 
 
 class GenerateUser(User):
+    """What both APIs' users share: the closed loop, the workload, the entries recorded."""
+
+    abstract = True
+    api = ""  # the --api value that selects this class (_setup keeps only that one)
     wait_time = constant(0)  # closed loop: each user sends its next request at once
-
-    def on_start(self) -> None:
-        self.api = self.environment.parsed_options.api
-        if self.api == "http":
-            self.session = requests.Session()
-            self.base = self.host if "://" in self.host else f"http://{self.host}"
-            reply = self.session.get(f"{self.base}/v1/models", timeout=30)
-            reply.raise_for_status()
-            self.model = reply.json()["data"][0]["id"]
-            return
-        self.channel = grpc.insecure_channel(self.host)
-        self.stub = pb_grpc.GenerationStub(self.channel)
-
-    def on_stop(self) -> None:
-        if self.api == "http":
-            self.session.close()
-        else:
-            self.channel.close()
 
     @task
     def generate(self) -> None:
         item = self.environment.sampler.next()
         start = _now()
         try:
-            if self.api == "http":
-                tokens = self._stream_http(item, start)
-            else:
-                tokens = self._stream_grpc(item, start)
+            tokens = self.stream(item, _Gaps(self, start))
             self._record("E2E", _now() - start, tokens)
         except RequestFailed as exc:
             self._record("E2E", _now() - start, 0, exc)
         self._count_end()
 
-    def _stream_grpc(self, item, start: float) -> int:  # noqa: ANN001 - a workload item
-        request = pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=item.prompt_token_ids),
-            sampling=pb.SamplingOptions(max_tokens=item.max_tokens, temperature=0,
-                                        ignore_eos=item.ignore_eos))
-        timer = _Gaps(self, start)
-        try:
-            for part in self.stub.Generate(
-                    request, timeout=self.environment.parsed_options.request_timeout_s):
-                if part.token_ids:
-                    timer.tokens(len(part.token_ids))
-        except grpc.RpcError as exc:
-            raise RequestFailed(exc.code().name) from exc
-        return timer.count
-
-    def _stream_http(self, item, start: float) -> int:  # noqa: ANN001 - a workload item
-        body = {"model": self.model, "prompt": item.prompt_token_ids, "stream": True,
-                "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": item.ignore_eos}
-        timer = _Gaps(self, start)
-        try:
-            with self.session.post(f"{self.base}/v1/completions", json=body, stream=True,
-                                   timeout=self.environment.parsed_options.request_timeout_s
-                                   ) as reply:
-                if reply.status_code != 200:
-                    raise RequestFailed(f"HTTP {reply.status_code}")
-                for line in reply.iter_lines():
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RequestFailed(f"stream error: {event['error']['type']}")
-                    if event["choices"] and event["choices"][0].get("text"):
-                        timer.tokens(1)
-        except requests.RequestException as exc:
-            raise RequestFailed(type(exc).__name__) from exc
-        return timer.count
+    def stream(self, item, gaps: _Gaps) -> int:  # noqa: ANN001 - a workload item
+        """Stream one request, telling `gaps` as tokens arrive; the tokens received
+        (RequestFailed when it fails)."""
+        raise NotImplementedError
 
     def _record(self, name: str, seconds: float, length: int = 0,
                 error: Exception | None = None) -> None:
@@ -154,6 +108,69 @@ class GenerateUser(User):
         if env.requests_ended == env.parsed_options.max_requests and env.runner is not None:
             gevent.spawn(env.runner.quit)  # bounded in requests as well as in time
 
+
+class GrpcGenerateUser(GenerateUser):
+    """Streams `Generate` over gRPC."""
+
+    api = "grpc"
+
+    def on_start(self) -> None:
+        self.channel = grpc.insecure_channel(self.host)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    def on_stop(self) -> None:
+        self.channel.close()
+
+    def stream(self, item, gaps: _Gaps) -> int:  # noqa: ANN001 - a workload item
+        request = pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=item.prompt_token_ids),
+            sampling=pb.SamplingOptions(max_tokens=item.max_tokens, temperature=0,
+                                        ignore_eos=item.ignore_eos))
+        try:
+            for part in self.stub.Generate(
+                    request, timeout=self.environment.parsed_options.request_timeout_s):
+                if part.token_ids:
+                    gaps.tokens(len(part.token_ids))
+        except grpc.RpcError as exc:
+            raise RequestFailed(exc.code().name) from exc
+        return gaps.count
+
+
+class HttpGenerateUser(GenerateUser):
+    """Streams `POST /v1/completions` (`stream: true`) over the OpenAI-compatible HTTP API."""
+
+    api = "http"
+
+    def on_start(self) -> None:
+        self.session = requests.Session()
+        self.base = self.host if "://" in self.host else f"http://{self.host}"
+        reply = self.session.get(f"{self.base}/v1/models", timeout=30)
+        reply.raise_for_status()
+        self.model = reply.json()["data"][0]["id"]
+
+    def on_stop(self) -> None:
+        self.session.close()
+
+    def stream(self, item, gaps: _Gaps) -> int:  # noqa: ANN001 - a workload item
+        body = {"model": self.model, "prompt": item.prompt_token_ids, "stream": True,
+                "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": item.ignore_eos}
+        try:
+            with self.session.post(f"{self.base}/v1/completions", json=body, stream=True,
+                                   timeout=self.environment.parsed_options.request_timeout_s
+                                   ) as reply:
+                if reply.status_code != 200:
+                    raise RequestFailed(f"HTTP {reply.status_code}")
+                for line in reply.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RequestFailed(f"stream error: {event['error']['type']}")
+                    if event["choices"] and event["choices"][0].get("text"):
+                        gaps.tokens(1)
+        except requests.RequestException as exc:
+            raise RequestFailed(type(exc).__name__) from exc
+        return gaps.count
 
 class RequestFailed(Exception):
     """A failed request; its message (the gRPC status code, or the HTTP status) is how Locust

@@ -4,8 +4,10 @@ again), tear down with no actor left; invalid configs fail before anything start
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import ray
@@ -65,6 +67,11 @@ def test_deploy_stream_restart_and_teardown(local_ray, tiny_llama_dir):
     try:
         reference = _generate(result.router_address)
         assert {a["role"] for a in result.actors} == {"router", "prefill", "decode"}
+        router = next(a for a in result.actors if a["role"] == "router")
+        assert router["http_address"] == f"127.0.0.1:{config.router.http_port}"
+        with urllib.request.urlopen(f"http://{router['http_address']}/v1/models",
+                                    timeout=10) as reply:  # the OpenAI API, on the actor too
+            assert json.loads(reply.read())["data"][0]["id"] == tiny_llama_dir.name
 
         # A worker actor killed (its process dies): Ray restarts it, it registers again. The
         # router actor killed: it comes back on its fixed port and rebuilds its registry from

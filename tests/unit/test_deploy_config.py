@@ -68,6 +68,7 @@ def test_cpu_workers_get_no_gpu_keys():
     ({"placement": {"timeout_s": 0}}, "placement.timeout_s must be in"),
     ({"router": {"port": 0}}, "router.port must be in \\[1, 65535\\] \\(a fixed port"),
     ({"router": {"max_running": 0}}, "router.max_running must be >= 1"),
+    ({"router": {"http_port": 70000}}, "router.http_port must be in \\[0, 65535\\] \\(0: off\\)"),
     ({"model": {"dtype": "fp8"}}, "model.dtype must be one of"),
     ({"model": {"kv_cache_gb": -1}}, "model.kv_cache_gb must be in"),
     ({"model": {"path": "/no/such/model"}}, "model.path '/no/such/model' is not a local model"),
