@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port (0: any free port, shown at start)")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (on --host; 0 turns it off)")
+    serve.add_argument("--cluster-token-file", default=None,
+                       help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN): "
+                            "workers without it cannot register")
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
     _add_placement_args(serve)
@@ -52,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
     launch.add_argument("--http-port", type=int, default=8000,
                         help="the router's OpenAI-compatible HTTP API port (0 turns it off)")
+    launch.add_argument("--cluster-token-file", default=None,
+                        help="the cluster's shared secret, given to every process (else env "
+                             "PDSERVE_CLUSTER_TOKEN, which the processes inherit)")
     _add_gpu_args(launch)
     _add_placement_args(launch)
     client = sub.add_parser("client", help="stream a generation")
@@ -149,7 +155,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        device=args.device, gpus=gpus,
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
-                       http_port=args.http_port)
+                       http_port=args.http_port, cluster_token_file=args.cluster_token_file)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from router.server import RouterOptions
         from router.server import serve as run_router
+        from serving.auth import load_token
 
         try:
             options = RouterOptions(
                 host=args.host, port=args.port, model=args.model,
                 heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
                 max_queued=args.max_queued, metrics_port=args.metrics_port,
-                http_port=args.http_port,
+                http_port=args.http_port, cluster_token=load_token(args.cluster_token_file),
                 grace_s=args.grace_s, **placement_options(args))
         except ValueError as exc:
             parser.error(str(exc))
@@ -174,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         from router.gpus import GpuError
         from router.launch import run_until_interrupted
         from router.server import RouterOptions
+        from serving.auth import load_token
 
         try:
+            load_token(args.cluster_token_file)  # a bad token file fails here, not in a child
             RouterOptions(**placement_options(args))  # bad values fail here, not in the router
             spec = launch_spec(args)
         except (ValueError, GpuError) as exc:

@@ -45,6 +45,7 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     http_port: int | None = None  # the router's OpenAI HTTP API (None: any free port; 0: off)
+    cluster_token_file: str | None = None  # passed to every process (serving.auth)
     device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
@@ -122,7 +123,8 @@ class LocalCluster:
                 http_port = free_port(self.spec.host)
             self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
                                    str(port), "--model", self.spec.model, "--http-port",
-                                   str(http_port), *self.spec.router_args])
+                                   str(http_port), *self._token_args(),
+                                   *self.spec.router_args])
             if not wait_healthy(self.address, 60.0):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
@@ -153,7 +155,12 @@ class LocalCluster:
         return name, [module, "--router", self.address, "--host", self.spec.host,
                       "--threads", str(self.spec.threads), "--model", self.spec.model,
                       "--worker-id", name, *extra, *self._engine_args(), *self._gpu_args(name),
-                      *self.spec.worker_args]
+                      *self._token_args(), *self.spec.worker_args]
+
+    def _token_args(self) -> list[str]:
+        """The token's file, never the token: command lines are visible to `ps`."""
+        path = self.spec.cluster_token_file
+        return ["--cluster-token-file", path] if path else []
 
     def resolve_gpus(self) -> int | None:
         """On CUDA: how many GPUs the workers spread over (--gpus, else every visible GPU,

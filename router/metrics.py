@@ -68,7 +68,13 @@ class RouterMetrics:
                                 "prefill_queue, prefill_compute, kv_transfer (KV shipped), "
                                 "decode_admission (KV shipped), ttft", ["phase"],
                                 registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.auth_failures = Counter("pdserve_router_auth_failures", "Internal calls refused "
+                                     "UNAUTHENTICATED (no or wrong cluster token), by method",
+                                     ["method"], registry=self.registry)
         self.http_port = 0
+
+    def refused_unauthenticated(self, method: str) -> None:
+        self.auth_failures.labels(method).inc()
 
     def observe_phases(self, timings: pb.Timings) -> None:
         phases = {"router_queue": timings.router_queue_s,

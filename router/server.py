@@ -6,7 +6,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import ModelConfig
@@ -25,11 +25,13 @@ from router.registry import Role, WorkerRegistry
 from router.service import GenerationServicer, WorkerRegistryServicer, add_generation_servicer
 from router.stubs import WorkerStubs
 from router.wire import TRANSPORT_LIMIT_BYTES
+from serving import auth
 from serving.grpc_server import Server, start_server
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name[name].full_name
                  for name in ("Generation", "WorkerRegistry")]
+REGISTRY_SERVICE = SERVICE_NAMES[1]  # internal: only cluster members may register
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class RouterOptions:
     local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
     queue_policy: str = "short_first"  # which queued request a freed slot goes to
     queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
+    # The cluster token (serving.auth): workers must present it to register and heartbeat.
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -114,6 +118,7 @@ class Router:
                 for role in Role}
 
     def start(self) -> int:
+        auth.configure(self.options.cluster_token)  # our calls to workers carry it too
         metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         self.metrics_address = f"{self.options.host}:{metrics_port}"
         generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,
@@ -130,6 +135,7 @@ class Router:
             [lambda s: add_generation_servicer(generation, s),
              lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)],
             SERVICE_NAMES, max_receive_bytes=TRANSPORT_LIMIT_BYTES,
+            internal=[REGISTRY_SERVICE], on_refused=self.metrics.refused_unauthenticated,
             # Every running or queued stream holds a handler thread; the pool must not be what
             # limits them (gRPC would queue the excess silently instead of refusing it).
             max_workers=self.options.max_running + self.options.max_queued + 64)

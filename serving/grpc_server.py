@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serving import auth
+
 # Messages carry token ids and KV-free metadata only; 16 MiB bounds a request's size.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
@@ -36,13 +38,19 @@ class Server:
 
 def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], None]],
                  service_names: Sequence[str], max_workers: int = 128,
-                 max_receive_bytes: int = MAX_MESSAGE_BYTES) -> Server:
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES, internal: Sequence[str] = (),
+                 on_refused: Callable[[str], None] | None = None) -> Server:
     """Bind host:port (port 0 picks a free one), register the services plus health and
-    reflection, start, and mark every service SERVING."""
+    reflection, start, and mark every service SERVING. With a cluster token configured
+    (serving.auth), calls to the `internal` services must carry it (`on_refused(method)`
+    counts those that do not)."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options)
+    token = auth.current()
+    interceptors = [auth.TokenCheck(token, internal, on_refused)] if token and internal else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                         interceptors=interceptors)
     for add in adders:
         add(server)
     health_servicer = health.HealthServicer()
@@ -60,10 +68,13 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
 
 
 def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=[
+    """A channel to `address`; every call on it carries this process's cluster token, if any."""
+    plain = grpc.insecure_channel(address, options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ])
+    token = auth.current()
+    return grpc.intercept_channel(plain, auth.TokenAttacher(token)) if token else plain
 
 
 def wait_healthy(address: str, timeout_s: float) -> bool:

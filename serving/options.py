@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from serving.auth import load_token
 
 QUEUE_POLICIES = SchedulerConfig.QUEUE_POLICIES
 DECODE_PREFILL_CHUNK = {"cpu": 32, "cuda": 512}
@@ -48,6 +49,8 @@ class WorkerOptions:
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
+    # The cluster token (serving.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -126,6 +129,9 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
                         help="how KV moves between prefill and decode workers: shared (one-sided "
                              "writes into the peer's cache, same host only), dist (torch."
                              "distributed pair groups), auto (shared on one host, else dist)")
+    parser.add_argument("--cluster-token-file", default=None,
+                        help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN); "
+                             "internal RPCs without it are refused")
     parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
                         help="prefill: ship each chunk's KV to the decode worker while the next "
                              "chunks compute (off: all after the prompt)")
@@ -133,18 +139,23 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     args = parser.parse_args(argv)
     if getattr(args, "colocated", False):
         role = "colocated"
-    return WorkerOptions(
-        role=role, router=args.router, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, model=args.model, dtype=args.dtype, device=args.device,
-        kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-        queue_policy=args.queue_policy, queue_age_bound_s=args.queue_age_bound_s,
-        prefill_chunk_size=args.prefill_chunk_size,
-        threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
-        transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
-        metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
-        kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
-        gpu_memory_fraction=args.gpu_memory_fraction,
-        fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")))
+    try:
+        return WorkerOptions(
+            role=role, router=args.router, host=args.host, port=args.port,
+            advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
+            device=args.device,
+            kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+            queue_policy=args.queue_policy, queue_age_bound_s=args.queue_age_bound_s,
+            prefill_chunk_size=args.prefill_chunk_size,
+            threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
+            transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
+            metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
+            kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
+            gpu_memory_fraction=args.gpu_memory_fraction,
+            fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
+            cluster_token=load_token(args.cluster_token_file))
+    except ValueError as exc:  # a bad value or token file: a usage error, not a traceback
+        parser.error(str(exc))
 
 
 def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:

@@ -55,6 +55,9 @@ class RouterLink:
                 self._register_once()
                 return
             except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNAUTHENTICATED:  # retrying cannot help
+                    raise PermissionError(f"router {self.router_address} refused the "
+                                          f"registration: {exc.details()}") from exc
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"router {self.router_address} did not accept the registration within "

@@ -15,6 +15,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from kv_transfer import device_identity, local_host_id
 from pdserve_proto import pdserve_pb2 as pb
+from serving import auth
 from serving.gate import Gate
 from serving.grpc_server import Server, start_server
 from serving.loop import EngineLoop
@@ -110,9 +111,12 @@ class ServingWorker:
         self.server: Server | None = None
         self.link: RouterLink | None = None
         try:
+            auth.configure(options.cluster_token)
             role.loop.start()
-            self.server = start_server(options.host, options.port, [role.add_to_server],
-                                       role.service_names)
+            self.server = start_server(
+                options.host, options.port, [role.add_to_server], role.service_names,
+                internal=role.service_names,
+                on_refused=lambda method: role.metrics.reject(method, "UNAUTHENTICATED"))
             self.address = f"{options.public_host}:{self.server.port}"
             metrics_port = role.metrics.serve(options.host, options.metrics_port)
             self.metrics_address = f"{options.public_host}:{metrics_port}"

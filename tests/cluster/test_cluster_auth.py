@@ -1,0 +1,87 @@
+"""A cluster with a cluster token (real processes, the tiny model): it serves both public APIs;
+a worker without the token, or with a wrong one, is refused at registration (UNAUTHENTICATED,
+counted), never listed and never sent a prompt; a caller without the token cannot reach the
+workers' internal RPCs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.auth import TOKEN_ENV, new_token
+from serving.grpc_server import channel
+from tests.cluster.cluster_helpers import greedy_request, scrape, start_cluster, stream_tokens
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def token_file(path: Path, token: str) -> str:
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_llama_dir):
+    tmp = tmp_path_factory.mktemp("auth")
+    with start_cluster(tmp, prefill=1, decode=1, model=str(tiny_llama_dir), kv_cache_gb=0.05,
+                       cluster_token_file=token_file(tmp / "token", new_token()),
+                       router_args=("--local-prefill", "off")) as running:
+        yield running
+
+
+def test_a_secure_cluster_serves_both_public_apis(cluster):
+    tokens, _, last = stream_tokens(cluster.address, greedy_request([1, 2, 3, 4, 5]))
+    assert len(tokens) > 0 and last.timings.prefill_site == "remote"  # every internal RPC ran
+    import json
+    import urllib.request
+
+    body = json.dumps({"model": cluster.status().model, "prompt": [1, 2, 3], "max_tokens": 3,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://{cluster.status().http_address}/v1/completions",
+                                     data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("credential", ["none", "wrong"])
+def test_a_worker_without_the_token_is_refused_and_never_placed(cluster, tmp_path, credential,
+                                                                tiny_llama_dir):
+    router_metrics = cluster.status().metrics_address
+    failures = "pdserve_router_auth_failures_total{method=/pdserve.v1.WorkerRegistry/Register}"
+    before = scrape(router_metrics).get(failures, 0.0)
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    extra = [] if credential == "none" else [
+        "--cluster-token-file", token_file(tmp_path / "wrong", new_token())]
+    rogue = subprocess.run(
+        [sys.executable, "-m", "decode_worker", "--router", cluster.address, "--model",
+         str(tiny_llama_dir), "--kv-cache-gb", "0.05", "--worker-id", "rogue",
+         *extra],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert rogue.returncode != 0
+    reason = "no cluster token" if credential == "none" else "wrong cluster token"
+    assert "refused the registration" in rogue.stderr and reason in rogue.stderr
+    assert "rogue" not in {w.worker_id for w in cluster.status().workers}
+    assert scrape(router_metrics).get(failures, 0.0) == before + 1
+    tokens, _, _ = stream_tokens(cluster.address, greedy_request([5, 6, 7]))
+    assert tokens  # still served, by the members only
+
+
+def test_the_workers_internal_rpcs_refuse_an_outsider(cluster):
+    decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
+    with channel(decode.address) as ch:  # this test process holds no token
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.DecodeWorkerStub(ch).Reserve(pb.ReserveRequest(
+                request_id="stolen", prompt_token_ids=[1, 2, 3]), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    counted = scrape(decode.metrics_address)
+    assert counted["pdserve_worker_rejections_total{code=UNAUTHENTICATED,"
+                   "method=/pdserve.v1.DecodeWorker/Reserve,role=decode}"] >= 1
