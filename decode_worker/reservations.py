@@ -21,6 +21,7 @@ between pieces costs a lease, not a leak. Only the last piece makes it READY."""
 from __future__ import annotations
 
 import enum
+import hmac
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class Reservation:
     aborted: bool = False  # abort arrived while RECEIVING: free once the transfer is done
     writer: str = ""  # while RECEIVING: the mapping writing into the blocks ("" = ourselves)
     received_blocks: int = 0  # fresh blocks written by the pieces received so far
+    secret: str = ""  # the router's transfer secret: a write must present it ("": none asked)
 
 
 class ReservationTable:
@@ -63,15 +65,21 @@ class ReservationTable:
         with self._lock:
             return len(self._table)
 
-    def add(self, request: Request, lease_s: float) -> None:
+    def add(self, request: Request, lease_s: float, secret: str = "") -> None:
         with self._lock:
-            self._table[request.request_id] = Reservation(request, lease_s, self._clock() + lease_s)
+            self._table[request.request_id] = Reservation(request, lease_s,
+                                                          self._clock() + lease_s, secret=secret)
 
-    def begin_receive(self, request_id: str, writer: str = "", first_block: int = 0) -> Request:
+    def begin_receive(self, request_id: str, writer: str = "", first_block: int = 0,
+                      secret: str = "") -> Request:
         """Pause the lease while a transfer (by `writer`, see the module doc) writes into the
-        blocks, from fresh block `first_block` on (where the previous piece ended)."""
+        blocks, from fresh block `first_block` on (where the previous piece ended). Only a
+        transfer presenting the reservation's secret may (PermissionError otherwise)."""
         with self._lock:
             reservation = self._get(request_id)
+            if not hmac.compare_digest(secret.encode(), reservation.secret.encode()):
+                raise PermissionError(f"request {request_id!r}: wrong transfer secret; only "
+                                      f"the prefill worker the router placed may write")
             if reservation.state is not LeaseState.RESERVED:
                 raise KeyError(f"request {request_id!r} is {reservation.state.value}, not reserved")
             if first_block != reservation.received_blocks:

@@ -37,7 +37,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         try:
             params = sampling_from_proto(request.sampling)
             reserved = self.worker.reserve(request.request_id, list(request.prompt_token_ids),
-                                           params, request.lease_s)
+                                           params, request.lease_s, request.transfer_secret)
         except ValueError as exc:
             self.gate.reject(context, "Reserve", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoRoom as exc:
@@ -53,9 +53,12 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         try:
             stats = self.worker.receive_kv(request.request_id, request.sender_id,
                                            request.generation, request.tag, request.num_blocks,
-                                           request.dtype, request.first_block, request.more)
+                                           request.dtype, request.first_block, request.more,
+                                           request.transfer_secret)
         except KeyError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
+        except PermissionError as exc:
+            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TransferError as exc:

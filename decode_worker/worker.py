@@ -71,7 +71,7 @@ class DecodeWorker:
 
     # ---- disaggregated path ----------------------------------------------------------------
     def reserve(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                lease_s: float) -> ReservedBlocks:
+                lease_s: float, secret: str = "") -> ReservedBlocks:
         """ValueError on bad input, NoRoom when the blocks do not fit right now."""
 
         def run(engine: LLMEngine) -> ReservedBlocks:
@@ -81,7 +81,7 @@ class DecodeWorker:
             if not engine.reserve(request):
                 raise NoRoom(f"{engine.block_manager.blocks_needed(len(token_ids))} KV blocks "
                              f"needed, {engine.block_manager.num_free_blocks} free")
-            self.table.add(request, lease_s)
+            self.table.add(request, lease_s, secret)
             cached = _num_cached_blocks(engine, request)
             return ReservedBlocks(list(request.block_ids[cached:]), self.transfer_address, cached)
 
@@ -89,18 +89,19 @@ class DecodeWorker:
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
                    num_blocks: int, dtype: str, first_block: int = 0,
-                   more: bool = False) -> TransferStats:
+                   more: bool = False, secret: str = "") -> TransferStats:
         """dist transport: receive the prompt's KV, or one piece of it (see ReceiveKVRequest),
         into the reserved blocks (KeyError: no such reservation; ValueError: shape/dtype
         mismatch or a piece out of order; TransferError: the transfer failed)."""
         engine = self.loop.engine
         began = False
         try:
-            request = self.table.begin_receive(request_id, first_block=first_block)
+            request = self.table.begin_receive(request_id, first_block=first_block,
+                                               secret=secret)
             began = True
             fresh = _fresh_blocks(engine, request)
             _check_piece(engine, len(fresh), first_block, num_blocks, more, dtype)
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, PermissionError) as exc:
             self.receiver.refuse(sender_id, generation, tag, str(exc))
             if began:  # only the receive this call began: another may be writing
                 self.table.end_receive(request_id, ok=False)
@@ -121,10 +122,11 @@ class DecodeWorker:
                 raise TransferError(f"request {request_id!r} was aborted during its transfer")
 
     # ---- shared transport: same-host writers copy into our cache (kv_transfer.shared) -------
-    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str,
+                    secret: str = "") -> None:
         """Let a live mapping of our cache write into a reservation's blocks (RECEIVING from here
         on, until end_write or the mapping closes). Runs on that mapping's exporter thread."""
-        request = self.table.begin_receive(request_id, writer)
+        request = self.table.begin_receive(request_id, writer, secret=secret)
         try:
             _check_shape(self.loop.engine, _fresh_blocks(self.loop.engine, request), num_blocks,
                          dtype)

@@ -93,8 +93,10 @@ def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
 class WriteHandler(Protocol):
     """What the exporting worker does with its writers' requests (decode_worker.worker)."""
 
-    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
-        """Admit the write (KeyError/ValueError with the reason to refuse it)."""
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str,
+                    secret: str = "") -> None:
+        """Admit the write (KeyError/ValueError/PermissionError with the reason to refuse it):
+        `secret` must be the reservation's transfer secret."""
 
     def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
                   seconds: float) -> bool:
@@ -171,14 +173,14 @@ class KVExporter:
         try:
             if message["op"] == "begin":
                 self.handler.begin_write(key, message["request_id"], int(message["num_blocks"]),
-                                         message["dtype"])
+                                         message["dtype"], str(message.get("secret", "")))
                 return {"ok": True}
             if message["op"] == "finish":
                 return {"held": self.handler.end_write(
                     key, message["request_id"], bool(message["ok"]),
                     int(message["num_bytes"]), float(message["seconds"]))}
             return {"error": f"unknown op {message['op']!r}"}
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, PermissionError) as exc:
             return {"error": str(exc)[:500]}
 
     def _writer_exited(self, key: str, pid: int) -> bool:

@@ -85,14 +85,16 @@ class SharedSender:
         self._lock = threading.Lock()
 
     def begin(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
-              num_blocks: int) -> SharedWrite:
-        """Ask the receiver to admit a write of `num_blocks` into the request's reservation
-        (TransferError when refused or broken; `permanent` when its cache cannot be mapped)."""
+              num_blocks: int, secret: str = "") -> SharedWrite:
+        """Ask the receiver to admit a write of `num_blocks` into the request's reservation,
+        presenting its transfer `secret` (TransferError when refused or broken; `permanent`
+        when its cache cannot be mapped)."""
         mapping = self._mapping(receiver_id, address, src)
         dtype = str(src.dtype).removeprefix("torch.")
         with mapping.lock:
             self.call(mapping, receiver_id, {"op": "begin", "request_id": request_id,
-                                             "num_blocks": num_blocks, "dtype": dtype})
+                                             "num_blocks": num_blocks, "dtype": dtype,
+                                             "secret": secret})
         return SharedWrite(self, mapping, receiver_id, request_id)
 
     def complete(self, write: SharedWrite, src: torch.Tensor, src_ids: Sequence[int],
@@ -112,9 +114,9 @@ class SharedSender:
         return TransferStats(write.num_bytes, write.copy_s, "shared")
 
     def send(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
-             src_ids: Sequence[int], dst_ids: Sequence[int]) -> TransferStats:
+             src_ids: Sequence[int], dst_ids: Sequence[int], secret: str = "") -> TransferStats:
         """Copy `src_ids` of our cache into `dst_ids` of the receiver's, in one write."""
-        write = self.begin(receiver_id, address, request_id, src, len(dst_ids))
+        write = self.begin(receiver_id, address, request_id, src, len(dst_ids), secret)
         return self.complete(write, src, src_ids, dst_ids)
 
     def call(self, mapping: PeerMapping, receiver_id: str, message: dict) -> dict:

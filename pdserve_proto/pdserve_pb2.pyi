@@ -311,16 +311,18 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "transfer_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
     lease_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    transfer_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lease_s: _Optional[float] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "transfer_address", "decode_worker_id", "num_cached_blocks")
@@ -349,7 +351,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
-    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more")
+    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more", "transfer_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -358,6 +360,7 @@ class ReceiveKVRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     generation: int
@@ -366,7 +369,8 @@ class ReceiveKVRequest(_message.Message):
     dtype: str
     first_block: int
     more: bool
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
+    transfer_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., more: _Optional[bool] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
 
 class ReceiveKVResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")
@@ -409,7 +413,7 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address", "decode_cached_blocks")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address", "decode_cached_blocks", "transfer_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +426,7 @@ class PrefillRequest(_message.Message):
     DECODE_KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DECODE_KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -434,7 +439,8 @@ class PrefillRequest(_message.Message):
     decode_kv_transport: str
     decode_kv_export_address: str
     decode_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ...) -> None: ...
+    transfer_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "finish_reason", "stop_reason", "kv_transport", "queue_s")

@@ -23,6 +23,7 @@ class DecodeTarget:
     # The prompt's first blocks the decode worker holds already (its prefix cache): not sent;
     # `block_ids` receive our blocks after them.
     num_cached_blocks: int = 0
+    transfer_secret: str = ""  # the reservation's: the decode worker admits no write without it
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ class DecodeStubs:
                       more: bool = False) -> Callable[[float], object]:
         message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
                                       generation=generation, tag=tag, num_blocks=num_blocks,
-                                      dtype=dtype, first_block=first_block, more=more)
+                                      dtype=dtype, first_block=first_block, more=more,
+                                      transfer_secret=target.transfer_secret)
         future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
 
         def wait_ack(timeout_s: float) -> object:
@@ -108,7 +109,8 @@ def _target(request: pb.PrefillRequest) -> DecodeTarget:
                         request.decode_kv_device or "cpu", request.decode_kv_transport or "auto")
     return DecodeTarget(request.decode_worker_id, request.decode_address,
                         request.transfer_address, list(request.decode_block_ids), place,
-                        request.decode_kv_export_address, request.decode_cached_blocks)
+                        request.decode_kv_export_address, request.decode_cached_blocks,
+                        request.transfer_secret)
 
 
 def _response(result: PrefillResult) -> pb.PrefillResponse:

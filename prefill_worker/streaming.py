@@ -42,6 +42,7 @@ class KVStream:
     sent: int = 0  # blocks of dst_ids copied (shared) or handed to `pieces` (dist) so far
     error: TransferError | None = None  # a copy failed: the tail finishes the write as failed
     pieces: PieceSender | None = None  # dist: its pieces' sender
+    secret: str = ""  # the reservation's transfer secret
 
 
 class KVStreams:
@@ -70,7 +71,7 @@ class KVStreams:
         def begin() -> None:
             try:
                 write = self.sender.begin(stream.receiver_id, address, stream.request_id,
-                                          self.cache(), len(stream.dst_ids))
+                                          self.cache(), len(stream.dst_ids), stream.secret)
             except BaseException as exc:  # the tail or the cancel reports it
                 stream.opened.set_exception(exc)
                 return

@@ -101,7 +101,7 @@ class PrefillWorker:
         except TransferError:
             return  # shipping reports it
         stream = KVStream(request_id, target.worker_id, target.num_cached_blocks,
-                          list(target.block_ids))
+                          list(target.block_ids), secret=target.transfer_secret)
         if transport == "shared":
             self.streams.open(stream, target.export_address)
             return
@@ -227,7 +227,7 @@ class PrefillWorker:
             return self.streams.complete(plan.stream, plan.request.block_ids)
         return self.shared.send(target.worker_id, target.export_address,
                                 plan.request.request_id, self.loop.engine.runner.kv_buffer.tensor,
-                                plan.blocks, target.block_ids)
+                                plan.blocks, target.block_ids, target.transfer_secret)
 
     def _release(self, engine: LLMEngine, request: Request) -> None:
         self.shipping.pop(request.request_id, None)

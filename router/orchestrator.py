@@ -17,7 +17,7 @@ import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from router.calls import CallScope, RouterError, worker_error
-from router.events import Finished, Tokens, continuation
+from router.events import Finished, Tokens, continuation, transfer_secret
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from router.placement import Charge, PlacementPolicy, Suspects
@@ -163,7 +163,7 @@ class Orchestrator:
         try:
             reply = scope.unary(self.stubs.decode(decode).Reserve, pb.ReserveRequest(
                 request_id=part.worker_request_id, prompt_token_ids=part.token_ids,
-                sampling=sampling_to_proto(part.params),
+                sampling=sampling_to_proto(part.params), transfer_secret=transfer_secret(part),
                 # The router aborts the reservation on every failure path it sees; the lease
                 # is the backstop for what it cannot see (its own death), so it lasts as long
                 # as the request may: KV arriving after the deadline is useless anyway.
@@ -198,7 +198,8 @@ class Orchestrator:
                     decode_block_ids=reserve.block_ids, decode_host_id=decode.host_id,
                     decode_kv_device=decode.kv_device, decode_kv_transport=decode.kv_transport,
                     decode_kv_export_address=decode.kv_export_address,
-                    decode_cached_blocks=reserve.num_cached_blocks), "prefill")
+                    decode_cached_blocks=reserve.num_cached_blocks,
+                    transfer_secret=transfer_secret(part)), "prefill")
             except RouterError as exc:
                 if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # its queue is full
                     holders.pop()

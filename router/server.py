@@ -119,6 +119,7 @@ class Router:
 
     def start(self) -> int:
         auth.configure(self.options.cluster_token)  # our calls to workers carry it too
+        auth.warn_if_exposed("the router", self.options.host, self.options.cluster_token)
         metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         self.metrics_address = f"{self.options.host}:{metrics_port}"
         generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,

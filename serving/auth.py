@@ -12,6 +12,7 @@ internal services (`start_server(..., internal=...)`): `configure` is called onc
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -49,6 +50,25 @@ def load_token(path: str | None, env: Mapping[str, str] = os.environ) -> str | N
         raise ValueError(f"the cluster token ({source}) must be at least {MIN_TOKEN_CHARS} "
                          f"printable characters, got {len(token)}")
     return token
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def warn_if_exposed(what: str, host: str, token: str | None) -> str | None:
+    """The warning for a server bound beyond loopback (printed and returned), or None."""
+    if is_loopback(host):
+        return None
+    message = (f"{what} binds {host}: its traffic is plaintext (no TLS yet), and "
+               + ("internal RPCs need the cluster token" if token else
+                  "ANY process that reaches it may join the cluster or call its internal RPCs "
+                  "(set --cluster-token-file or PDSERVE_CLUSTER_TOKEN)"))
+    log.warning(message)
+    return message
 
 
 def new_token() -> str:

@@ -112,6 +112,8 @@ class ServingWorker:
         self.link: RouterLink | None = None
         try:
             auth.configure(options.cluster_token)
+            auth.warn_if_exposed(f"worker {options.worker_id}", options.host,
+                                 options.cluster_token)
             role.loop.start()
             self.server = start_server(
                 options.host, options.port, [role.add_to_server], role.service_names,

@@ -11,6 +11,7 @@ from engine.kv_memory import allocate_kv_buffer
 
 SHAPE = (3, 2, 16, 4, 2, 8)  # layers, K/V, blocks, block size, KV heads, head dim
 SRC_BLOCKS, DST_BLOCKS = [3, 4, 5, 9, 1], [10, 11, 12, 2, 0]  # runs: 3 of them
+SECRET = "the-reservations-transfer-secret"  # what the router gave the reservation
 
 
 def source_cache() -> torch.Tensor:
@@ -27,9 +28,12 @@ class Recorder:
     def __init__(self, queue) -> None:  # noqa: ANN001 - a multiprocessing queue
         self.queue = queue
 
-    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str) -> None:
+    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str,
+                    secret: str = "") -> None:
         if request_id == "refused":
             raise KeyError(f"no reservation for request {request_id!r}")
+        if secret != SECRET:
+            raise PermissionError(f"request {request_id!r}: wrong transfer secret")
         self.queue.put(("began", writer, request_id))
 
     def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
@@ -62,8 +66,8 @@ def exporter(queue, commands) -> None:
 def interleaved_writes(sender, address: str, src: torch.Tensor) -> list:  # noqa: ANN001
     """Two requests' writes open at once through one mapping, each copied in pieces: "a" gets
     the first three blocks (in two pieces), "b" the last two; "b" finishes first."""
-    a = sender.begin("decode-t", address, "a", src, 3)
-    b = sender.begin("decode-t", address, "b", src, 2)
+    a = sender.begin("decode-t", address, "a", src, 3, SECRET)
+    b = sender.begin("decode-t", address, "b", src, 2, SECRET)
     a.copy(src, SRC_BLOCKS[:2], DST_BLOCKS[:2])
     b.copy(src, SRC_BLOCKS[3:], DST_BLOCKS[3:])
     return [sender.complete(b, src, [], []),
@@ -72,8 +76,8 @@ def interleaved_writes(sender, address: str, src: torch.Tensor) -> list:  # noqa
 
 def writer(address: str, queue, plan: list[str]) -> None:
     """For each step: 'write' the blocks, 'refused' (the exporter refuses the write), 'hang'
-    (the write begins, then this process stalls inside it: the test kills it mid-write), or
-    'interleaved' (interleaved_writes)."""
+    (the write begins, then this process stalls inside it: the test kills it mid-write),
+    'interleaved' (interleaved_writes) or 'wrong-secret' (a write without the secret)."""
     from kv_transfer.errors import TransferError
     from kv_transfer.shared_sender import SharedSender
 
@@ -86,7 +90,8 @@ def writer(address: str, queue, plan: list[str]) -> None:
                 for stats in interleaved_writes(sender, address, src):
                     queue.put(("sent", stats.num_bytes, stats.transport))
                 continue
-            stats = sender.send("decode-t", address, step, src, SRC_BLOCKS, DST_BLOCKS)
+            secret = "a-guess" if step == "wrong-secret" else SECRET
+            stats = sender.send("decode-t", address, step, src, SRC_BLOCKS, DST_BLOCKS, secret)
             queue.put(("sent", stats.num_bytes, stats.transport))
         except TransferError as exc:
             queue.put(("error", str(exc), exc.permanent))

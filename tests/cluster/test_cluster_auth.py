@@ -15,9 +15,16 @@ import pytest
 
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving import auth
 from serving.auth import TOKEN_ENV, new_token
 from serving.grpc_server import channel
-from tests.cluster.cluster_helpers import greedy_request, scrape, start_cluster, stream_tokens
+from tests.cluster.cluster_helpers import (
+    greedy_request,
+    scrape,
+    start_cluster,
+    stream_tokens,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +42,7 @@ def cluster(tmp_path_factory, tiny_llama_dir):
     with start_cluster(tmp, prefill=1, decode=1, model=str(tiny_llama_dir), kv_cache_gb=0.05,
                        cluster_token_file=token_file(tmp / "token", new_token()),
                        router_args=("--local-prefill", "off")) as running:
+        running.token = (tmp / "token").read_text().strip()
         yield running
 
 
@@ -85,3 +93,31 @@ def test_the_workers_internal_rpcs_refuse_an_outsider(cluster):
     counted = scrape(decode.metrics_address)
     assert counted["pdserve_worker_rejections_total{code=UNAUTHENTICATED,"
                    "method=/pdserve.v1.DecodeWorker/Reserve,role=decode}"] >= 1
+
+
+def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cluster):
+    """Even with the cluster token, KV lands only from the transfer the router placed: a
+    ReceiveKV without the reservation's secret is refused before anything is received."""
+    decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
+    before = next(w.free_blocks for w in cluster.status().workers if w.worker_id ==
+                  decode.worker_id)
+    auth.configure(cluster.token)  # this test acts as a (compromised) cluster member
+    try:
+        with channel(decode.address) as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            reserved = stub.Reserve(pb.ReserveRequest(
+                request_id="guarded", prompt_token_ids=list(range(1, 40)), lease_s=30,
+                sampling=pb.SamplingOptions(max_tokens=2), transfer_secret="the-real-one"),
+                timeout=10)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ReceiveKV(pb.ReceiveKVRequest(
+                    request_id="guarded", sender_id="rogue", generation=1, tag=1,
+                    num_blocks=len(reserved.block_ids), dtype="float32",
+                    transfer_secret="a-guess"), timeout=10)
+            assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert "wrong transfer secret" in refused.value.details()
+            assert stub.Abort(pb.AbortRequest(request_id="guarded"), timeout=10).found
+    finally:
+        auth.configure(None)
+    wait_until(lambda: next(w.free_blocks for w in cluster.status().workers
+                            if w.worker_id == decode.worker_id) == before, 10, "blocks back")

@@ -91,6 +91,21 @@ def test_writes_in_pieces_interleave_through_one_mapping_and_land_whole():
     proc.join(30)
 
 
+def test_a_writer_without_the_transfer_secret_is_refused_and_writes_nothing():
+    ctx, proc, queue, commands, address = start_exporter()
+    writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["wrong-secret"]))
+    writer.start()
+    got = events(queue, 2)
+    writer.join(30)
+    assert [e[0] for e in got] == ["error", "gone"]  # never began: no write was admitted
+    assert "wrong transfer secret" in got[0][1] and not got[0][2]
+    commands.put("check")
+    kind, blocks, rest_zero = queue.get(timeout=30)
+    assert kind == "blocks" and not blocks.any() and rest_zero, "a refused writer wrote"
+    commands.put("stop")
+    proc.join(30)
+
+
 def test_a_writer_killed_mid_write_closes_its_mapping_once_it_has_exited():
     ctx, proc, queue, commands, address = start_exporter()
     writer = ctx.Process(target=shared_peers.writer, args=(address, queue, ["hang"]))

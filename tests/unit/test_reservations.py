@@ -138,3 +138,16 @@ def test_a_failed_piece_frees_the_reservation():
     table.end_receive("r1", ok=True, more_after=3)
     table.begin_receive("r1", first_block=3)
     assert table.end_receive("r1", ok=False) is False and released == ["r1"]
+
+
+def test_only_the_transfer_presenting_the_reservations_secret_may_write():
+    table, released, _ = make()
+    request = Request("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+    table.add(request, 5.0, secret="the-routers-secret")
+    with pytest.raises(PermissionError, match="wrong transfer secret"):
+        table.begin_receive("r1", writer="rogue#1", secret="a-guess")
+    with pytest.raises(PermissionError):
+        table.begin_receive("r1")  # none at all
+    assert table.writer_of("r1") is None and released == []  # still reserved, untouched
+    table.begin_receive("r1", writer="prefill-0#1", secret="the-routers-secret")
+    assert table.end_receive("r1", ok=True) and table.take_ready("r1") is request
