@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="Prometheus /metrics port (0: any free port, shown at start)")
     serve.add_argument("--http-port", type=int, default=8000,
                        help="OpenAI-compatible HTTP API port (on --host; 0 turns it off)")
+    _add_tls_args(serve, server=True)
+    serve.add_argument("--insecure", action="store_true",
+                       help="plaintext beyond loopback is intended: do not warn")
     serve.add_argument("--cluster-token-file", default=None,
                        help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN): "
                             "workers without it cannot register")
@@ -55,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
     launch.add_argument("--http-port", type=int, default=8000,
                         help="the router's OpenAI-compatible HTTP API port (0 turns it off)")
+    _add_tls_args(launch, server=True)
+    launch.add_argument("--tls-ca", default=None,
+                        help="the CA of --tls-cert (the workers check the router with it)")
     launch.add_argument("--cluster-token-file", default=None,
                         help="the cluster's shared secret, given to every process (else env "
                              "PDSERVE_CLUSTER_TOKEN, which the processes inherit)")
@@ -68,8 +74,19 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--temperature", type=float, default=0.0)
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--timeout-s", type=float, default=120.0)
+    client.add_argument("--tls-ca", default=None, help="the router's CA (a router with TLS)")
+    certs = sub.add_parser("certs", help="write a throwaway CA and server certificate")
+    certs.add_argument("--out", type=Path, required=True)
+    certs.add_argument("--hosts", default="127.0.0.1,localhost",
+                       help="names and addresses the router is reached at (comma-separated)")
     _add_plan_args(sub.add_parser("plan", help="recommend a P:D split for a workload and SLO"))
     return parser
+
+
+def _add_tls_args(parser: argparse.ArgumentParser, server: bool) -> None:
+    parser.add_argument("--tls-cert", default=None,
+                        help="PEM certificate chain: the router's gRPC and HTTP ports use TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
 
 
 def _add_plan_args(plan: argparse.ArgumentParser) -> None:
@@ -155,54 +172,82 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        device=args.device, gpus=gpus,
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
-                       http_port=args.http_port, cluster_token_file=args.cluster_token_file)
+                       http_port=args.http_port, cluster_token_file=args.cluster_token_file,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from router.server import RouterOptions
+    from router.server import serve as run_router
+    from serving.auth import load_token
+    from serving.tls import ServerTls
+
+    return run_router(RouterOptions(
+        host=args.host, port=args.port, model=args.model,
+        heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
+        max_queued=args.max_queued, metrics_port=args.metrics_port, http_port=args.http_port,
+        cluster_token=load_token(args.cluster_token_file),
+        tls=ServerTls.load(args.tls_cert, args.tls_key), insecure=args.insecure,
+        grace_s=args.grace_s, **placement_options(args)))
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from router.launch import run_until_interrupted
+    from router.server import RouterOptions
+    from serving.auth import load_token
+    from serving.tls import ServerTls, read_ca
+
+    load_token(args.cluster_token_file)  # bad files and values fail here, not in a child
+    read_ca(args.tls_ca)
+    ServerTls.load(args.tls_cert, args.tls_key)
+    if args.tls_cert and not args.tls_ca:
+        raise ValueError("--tls-cert needs --tls-ca: the workers check the router with it "
+                         "(python -m router certs writes both)")
+    RouterOptions(**placement_options(args))
+    return run_until_interrupted(launch_spec(args), args.log_dir)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from serving.certs import make_certs
+
+    paths = make_certs(args.out, [h for h in args.hosts.split(",") if h])
+    print("\n".join(f"{name}: {path}" for name, path in paths.items()))
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    from router.client import build_request, stream
+    from serving.tls import read_ca
+
+    if args.prompt is None and args.chat is None:
+        raise ValueError("client needs a prompt or --chat")
+    return stream(args.address, build_request(args.prompt, args.chat, args.max_tokens,
+                                              args.temperature, args.seed), args.timeout_s,
+                  read_ca(args.tls_ca))
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from router.planner import run_plan
+
+    return run_plan(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.command == "serve":
-        from router.server import RouterOptions
-        from router.server import serve as run_router
-        from serving.auth import load_token
+    from router.gpus import GpuError
 
-        try:
-            options = RouterOptions(
-                host=args.host, port=args.port, model=args.model,
-                heartbeat_timeout_s=args.heartbeat_timeout_s, max_running=args.max_running,
-                max_queued=args.max_queued, metrics_port=args.metrics_port,
-                http_port=args.http_port, cluster_token=load_token(args.cluster_token_file),
-                grace_s=args.grace_s, **placement_options(args))
-        except ValueError as exc:
-            parser.error(str(exc))
-        return run_router(options)
-    if args.command == "launch":
-        from router.gpus import GpuError
-        from router.launch import run_until_interrupted
-        from router.server import RouterOptions
-        from serving.auth import load_token
-
-        try:
-            load_token(args.cluster_token_file)  # a bad token file fails here, not in a child
-            RouterOptions(**placement_options(args))  # bad values fail here, not in the router
-            spec = launch_spec(args)
-        except (ValueError, GpuError) as exc:
-            parser.error(str(exc))
-        return run_until_interrupted(spec, args.log_dir)
-    if args.command == "plan":
-        from router.planner import run_plan
-
-        try:
-            return run_plan(args)
-        except (OSError, ValueError) as exc:
-            parser.error(str(exc))
-    from router.client import build_request, stream
-
-    if args.prompt is None and args.chat is None:
-        parser.error("client needs a prompt or --chat")
-    return stream(args.address, build_request(args.prompt, args.chat, args.max_tokens,
-                                              args.temperature, args.seed), args.timeout_s)
+    command = {"serve": _serve, "launch": _launch, "certs": _certs, "plan": _plan,
+               "client": _client}[args.command]
+    try:
+        return command(args)
+    except (ValueError, GpuError) as exc:  # bad flags or files: a usage error
+        parser.error(str(exc))
+    except OSError as exc:
+        if args.command not in ("plan", "certs"):
+            raise
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":

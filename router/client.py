@@ -23,15 +23,17 @@ def build_request(prompt: str | None, chat: str | None, max_tokens: int, tempera
     return pb.GenerateRequest(prompt=prompt or "", sampling=sampling)
 
 
-def cluster_status(address: str, timeout_s: float = 5.0) -> pb.ClusterStatus:
+def cluster_status(address: str, timeout_s: float = 5.0, root_ca: bytes | None = None
+                   ) -> pb.ClusterStatus:
     """The router's view: every registered worker, its health and load."""
-    with channel(address) as ch:
+    with channel(address, root_ca) as ch:
         return pb_grpc.GenerationStub(ch).GetClusterStatus(pb.ClusterStatusRequest(),
                                                            timeout=timeout_s)
 
 
-def stream(address: str, request: pb.GenerateRequest, timeout_s: float) -> int:
-    with channel(address) as ch:
+def stream(address: str, request: pb.GenerateRequest, timeout_s: float,
+           root_ca: bytes | None = None) -> int:
+    with channel(address, root_ca) as ch:
         stub = pb_grpc.GenerationStub(ch)
         try:
             for part in stub.Generate(request, timeout=timeout_s):

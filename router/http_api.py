@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import threading
 from collections.abc import AsyncIterator
 
@@ -34,8 +35,10 @@ DONE = object()  # the end of a request's responses
 
 
 class HttpApi:
-    def __init__(self, servicer: GenerationServicer, host: str, port: int):
+    def __init__(self, servicer: GenerationServicer, host: str, port: int,
+                 ssl_context: ssl.SSLContext | None = None):
         self.servicer = servicer
+        self.ssl_context = ssl_context  # HTTPS when set
         self.frontend = servicer.frontend
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
@@ -59,7 +62,7 @@ class HttpApi:
                         web.get("/metrics", self.metrics)])
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 

@@ -26,6 +26,7 @@ from router.gpus import (
     visible_gpus,
 )
 from serving.grpc_server import wait_healthy
+from serving.tls import read_ca
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +47,10 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     http_port: int | None = None  # the router's OpenAI HTTP API (None: any free port; 0: off)
     cluster_token_file: str | None = None  # passed to every process (serving.auth)
+    # TLS on the router's ports (gRPC and HTTP); the workers and this launcher trust tls_ca.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
@@ -123,9 +128,9 @@ class LocalCluster:
                 http_port = free_port(self.spec.host)
             self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
                                    str(port), "--model", self.spec.model, "--http-port",
-                                   str(http_port), *self._token_args(),
+                                   str(http_port), *self._token_args(), *self._tls_args(True),
                                    *self.spec.router_args])
-            if not wait_healthy(self.address, 60.0):
+            if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
                      + ["colocated"] * self.spec.colocated)
@@ -155,7 +160,14 @@ class LocalCluster:
         return name, [module, "--router", self.address, "--host", self.spec.host,
                       "--threads", str(self.spec.threads), "--model", self.spec.model,
                       "--worker-id", name, *extra, *self._engine_args(), *self._gpu_args(name),
-                      *self._token_args(), *self.spec.worker_args]
+                      *self._token_args(), *self._tls_args(False), *self.spec.worker_args]
+
+    def _tls_args(self, router: bool) -> list[str]:
+        """The router gets its certificate and key; the workers the CA to trust it with."""
+        spec = self.spec
+        if router and spec.tls_cert:
+            return ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key or ""]
+        return ["--tls-ca", spec.tls_ca] if not router and spec.tls_ca else []
 
     def _token_args(self) -> list[str]:
         """The token's file, never the token: command lines are visible to `ps`."""
@@ -208,7 +220,7 @@ class LocalCluster:
                                                 env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def status(self, timeout_s: float = 5.0) -> pb.ClusterStatus:
-        return cluster_status(self.address, timeout_s)
+        return cluster_status(self.address, timeout_s, read_ca(self.spec.tls_ca))
 
     def wait_workers(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -27,6 +27,7 @@ from router.stubs import WorkerStubs
 from router.wire import TRANSPORT_LIMIT_BYTES
 from serving import auth
 from serving.grpc_server import Server, start_server
+from serving.tls import ServerTls
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name[name].full_name
@@ -53,6 +54,8 @@ class RouterOptions:
     queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
     # The cluster token (serving.auth): workers must present it to register and heartbeat.
     cluster_token: str | None = field(default=None, repr=False)
+    tls: ServerTls | None = None  # TLS on the gRPC and HTTP ports (workers then need the CA)
+    insecure: bool = False  # plaintext beyond loopback is intended: no warning
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -119,14 +122,16 @@ class Router:
 
     def start(self) -> int:
         auth.configure(self.options.cluster_token)  # our calls to workers carry it too
-        auth.warn_if_exposed("the router", self.options.host, self.options.cluster_token)
+        auth.warn_if_exposed("the router", self.options.host, self.options.cluster_token,
+                             plaintext=self.options.tls is None and not self.options.insecure)
         metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         self.metrics_address = f"{self.options.host}:{metrics_port}"
         generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,
                                         self.admission, self.metrics, self.metrics_address)
         self.generation = generation
         if self.options.http_port:
-            self.http = HttpApi(generation, self.options.host, self.options.http_port)
+            self.http = HttpApi(generation, self.options.host, self.options.http_port,
+                                self.options.tls.ssl_context() if self.options.tls else None)
             self.http_address = f"{self.options.host}:{self.http.start()}"
             generation.http_address = self.http_address
         registry = WorkerRegistryServicer(self.registry, self.model_name,
@@ -137,6 +142,7 @@ class Router:
              lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)],
             SERVICE_NAMES, max_receive_bytes=TRANSPORT_LIMIT_BYTES,
             internal=[REGISTRY_SERVICE], on_refused=self.metrics.refused_unauthenticated,
+            tls=self.options.tls,
             # Every running or queued stream holds a handler thread; the pool must not be what
             # limits them (gRPC would queue the excess silently instead of refusing it).
             max_workers=self.options.max_running + self.options.max_queued + 64)

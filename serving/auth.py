@@ -59,14 +59,21 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def warn_if_exposed(what: str, host: str, token: str | None) -> str | None:
-    """The warning for a server bound beyond loopback (printed and returned), or None."""
-    if is_loopback(host):
+def warn_if_exposed(what: str, host: str, token: str | None, plaintext: bool = False
+                    ) -> str | None:
+    """The warning for a server bound beyond loopback (logged and returned), or None: its
+    public API in plaintext (`plaintext`: no TLS and no explicit --insecure), and anyone who
+    reaches it able to join the cluster (no token)."""
+    if is_loopback(host) or not (plaintext or not token):
         return None
-    message = (f"{what} binds {host}: its traffic is plaintext (no TLS yet), and "
-               + ("internal RPCs need the cluster token" if token else
-                  "ANY process that reaches it may join the cluster or call its internal RPCs "
-                  "(set --cluster-token-file or PDSERVE_CLUSTER_TOKEN)"))
+    problems = []
+    if plaintext:
+        problems.append("its public API is plaintext (give --tls-cert/--tls-key, or --insecure "
+                        "to say that is intended)")
+    if not token:
+        problems.append("ANY process that reaches it may join the cluster or call its internal "
+                        "RPCs (set --cluster-token-file or PDSERVE_CLUSTER_TOKEN)")
+    message = f"{what} binds {host}: " + "; ".join(problems)
     log.warning(message)
     return message
 

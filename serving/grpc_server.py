@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving import auth
+from serving.tls import ServerTls
 
 # Messages carry token ids and KV-free metadata only; 16 MiB bounds a request's size.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -39,11 +40,12 @@ class Server:
 def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], None]],
                  service_names: Sequence[str], max_workers: int = 128,
                  max_receive_bytes: int = MAX_MESSAGE_BYTES, internal: Sequence[str] = (),
-                 on_refused: Callable[[str], None] | None = None) -> Server:
+                 on_refused: Callable[[str], None] | None = None,
+                 tls: ServerTls | None = None) -> Server:
     """Bind host:port (port 0 picks a free one), register the services plus health and
     reflection, start, and mark every service SERVING. With a cluster token configured
     (serving.auth), calls to the `internal` services must carry it (`on_refused(method)`
-    counts those that do not)."""
+    counts those that do not). With `tls`, the port speaks TLS only."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
@@ -58,7 +60,11 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
     names = list(service_names)
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        credentials = grpc.ssl_server_credentials([tls.key_and_chain()])
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind gRPC server to {host}:{port}")
     server.start()
@@ -67,22 +73,23 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
     return result
 
 
-def channel(address: str) -> grpc.Channel:
-    """A channel to `address`; every call on it carries this process's cluster token, if any."""
-    plain = grpc.insecure_channel(address, options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ])
+def channel(address: str, root_ca: bytes | None = None) -> grpc.Channel:
+    """A channel to `address` (TLS, trusting `root_ca`, when given); every call on it carries
+    this process's cluster token, if any."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    plain = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_ca), options) \
+        if root_ca else grpc.insecure_channel(address, options=options)
     token = auth.current()
     return grpc.intercept_channel(plain, auth.TokenAttacher(token)) if token else plain
 
 
-def wait_healthy(address: str, timeout_s: float) -> bool:
+def wait_healthy(address: str, timeout_s: float, root_ca: bytes | None = None) -> bool:
     """True once the server at `address` answers SERVING, False when `timeout_s` passes."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    with channel(address) as ch:
+    with channel(address, root_ca) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from serving.auth import load_token
+from serving.tls import read_ca
 
 QUEUE_POLICIES = SchedulerConfig.QUEUE_POLICIES
 DECODE_PREFILL_CHUNK = {"cpu": 32, "cuda": 512}
@@ -51,6 +52,7 @@ class WorkerOptions:
     fault_kv_write_pause_s: float = 0.0
     # The cluster token (serving.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
     cluster_token: str | None = field(default=None, repr=False)
+    tls_ca: str | None = None  # the CA the router's TLS certificate is checked against
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -61,6 +63,7 @@ class WorkerOptions:
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got "
                                  f"{getattr(self, name)}")
+        read_ca(self.tls_ca)  # unreadable or not PEM: ValueError now, not at registration
         if self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be >= 1, got "
                              f"{self.max_queued_requests}")
@@ -132,6 +135,9 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--cluster-token-file", default=None,
                         help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN); "
                              "internal RPCs without it are refused")
+    parser.add_argument("--tls-ca", default=None,
+                        help="PEM CA to check the router's TLS certificate with (when the "
+                             "router runs with --tls-cert)")
     parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
                         help="prefill: ship each chunk's KV to the decode worker while the next "
                              "chunks compute (off: all after the prompt)")
@@ -153,7 +159,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
             kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
             gpu_memory_fraction=args.gpu_memory_fraction,
             fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
-            cluster_token=load_token(args.cluster_token_file))
+            cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca)
     except ValueError as exc:  # a bad value or token file: a usage error, not a traceback
         parser.error(str(exc))
 

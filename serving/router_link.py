@@ -35,14 +35,14 @@ def load_to_proto(load: LoadSnapshot, with_prefix: bool = True) -> pb.WorkerLoad
 
 class RouterLink:
     def __init__(self, router_address: str, registration: pb.RegisterRequest,
-                 load: Callable[[], LoadSnapshot]):
+                 load: Callable[[], LoadSnapshot], router_ca: bytes | None = None):
         self.router_address = router_address
         self.registration = registration
         self.load = load
         self.heartbeat_interval_s = 0.5
         self.draining = False  # sent with every heartbeat: the router stops placing on us
         self._sent_prefix_version = -1  # the prefix digest goes out only when it changed
-        self._channel = channel(router_address)
+        self._channel = channel(router_address, router_ca)  # TLS when the router has it
         self._stub = pb_grpc.WorkerRegistryStub(self._channel)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)

@@ -22,6 +22,7 @@ from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions, parse_worker_args
 from serving.router_link import ROLES, RouterLink, load_to_proto
+from serving.tls import read_ca
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class ServingWorker:
             self.metrics_address = f"{options.public_host}:{metrics_port}"
             self.link = RouterLink(options.router, registration(
                 options, role, self.address, self.metrics_address, model_name),
-                lambda: role.loop.load)
+                lambda: role.loop.load, read_ca(options.tls_ca))
             self.link.register(options.connect_timeout_s)
         except BaseException:  # nothing started is left running
             self.close()

@@ -49,10 +49,11 @@ def greedy_request(ids: list[int], max_tokens: int = MAX_TOKENS, rid: str = ""
                                                           ignore_eos=True))
 
 
-def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 180.0
-                  ) -> tuple[list[int], str, pb.GenerateResponse]:
-    """Token ids, text and the last message of one streamed generation."""
-    with channel(address) as ch:
+def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 180.0,
+                  root_ca: bytes | None = None) -> tuple[list[int], str, pb.GenerateResponse]:
+    """Token ids, text and the last message of one streamed generation (over TLS, trusting
+    `root_ca`, when given)."""
+    with channel(address, root_ca) as ch:
         tokens: list[int] = []
         text = ""
         last = None

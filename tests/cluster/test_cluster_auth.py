@@ -1,13 +1,19 @@
-"""A cluster with a cluster token (real processes, the tiny model): it serves both public APIs;
-a worker without the token, or with a wrong one, is refused at registration (UNAUTHENTICATED,
-counted), never listed and never sent a prompt; a caller without the token cannot reach the
-workers' internal RPCs."""
+"""A secure cluster (real processes, the tiny model): a cluster token, and TLS on the router's
+ports with a throwaway CA (`python -m router certs`). It serves both public APIs over TLS to a
+client trusting the CA, and to nobody else (plaintext, or another CA); a worker without the
+token, or with a wrong one, is refused at registration (UNAUTHENTICATED, counted), never listed
+and never sent a prompt; a caller without the token cannot reach the workers' internal RPCs, and
+a member without a reservation's transfer secret cannot write into it."""
 
 from __future__ import annotations
 
+import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -17,6 +23,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving import auth
 from serving.auth import TOKEN_ENV, new_token
+from serving.certs import make_certs
 from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import (
     greedy_request,
@@ -39,25 +46,39 @@ def token_file(path: Path, token: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("auth")
+    certs = make_certs(tmp / "certs")
     with start_cluster(tmp, prefill=1, decode=1, model=str(tiny_llama_dir), kv_cache_gb=0.05,
                        cluster_token_file=token_file(tmp / "token", new_token()),
+                       tls_cert=str(certs["server.pem"]), tls_key=str(certs["server.key"]),
+                       tls_ca=str(certs["ca.pem"]),
                        router_args=("--local-prefill", "off")) as running:
         running.token = (tmp / "token").read_text().strip()
+        running.ca = certs["ca.pem"].read_bytes()
         yield running
 
 
-def test_a_secure_cluster_serves_both_public_apis(cluster):
-    tokens, _, last = stream_tokens(cluster.address, greedy_request([1, 2, 3, 4, 5]))
+def test_a_secure_cluster_serves_both_public_apis_over_tls_only(cluster, tmp_path):
+    tokens, _, last = stream_tokens(cluster.address, greedy_request([1, 2, 3, 4, 5]),
+                                    root_ca=cluster.ca)
     assert len(tokens) > 0 and last.timings.prefill_site == "remote"  # every internal RPC ran
-    import json
-    import urllib.request
-
-    body = json.dumps({"model": cluster.status().model, "prompt": [1, 2, 3], "max_tokens": 3,
+    status = cluster.status()
+    body = json.dumps({"model": status.model, "prompt": [1, 2, 3], "max_tokens": 3,
                        "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://{cluster.status().http_address}/v1/completions",
-                                     data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    url = f"https://{status.http_address}/v1/completions"
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    trusting = ssl.create_default_context(cadata=cluster.ca.decode())
+    with urllib.request.urlopen(request, timeout=60, context=trusting) as reply:
         assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
+    with pytest.raises(grpc.RpcError) as plaintext:  # a plaintext client gets nowhere
+        stream_tokens(cluster.address, greedy_request([1, 2, 3]), timeout_s=5)
+    assert plaintext.value.code() is grpc.StatusCode.UNAVAILABLE
+    foreign = make_certs(tmp_path / "foreign")["ca.pem"].read_bytes()
+    with pytest.raises(grpc.RpcError) as untrusted:  # nor one trusting another CA
+        stream_tokens(cluster.address, greedy_request([1, 2, 3]), timeout_s=5, root_ca=foreign)
+    assert untrusted.value.code() is grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(request, timeout=10, context=ssl.create_default_context(
+            cadata=foreign.decode()))
 
 
 @pytest.mark.parametrize("credential", ["none", "wrong"])
@@ -72,14 +93,14 @@ def test_a_worker_without_the_token_is_refused_and_never_placed(cluster, tmp_pat
     rogue = subprocess.run(
         [sys.executable, "-m", "decode_worker", "--router", cluster.address, "--model",
          str(tiny_llama_dir), "--kv-cache-gb", "0.05", "--worker-id", "rogue",
-         *extra],
+         "--tls-ca", cluster.spec.tls_ca, *extra],  # it trusts the router: only the token lacks
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert rogue.returncode != 0
     reason = "no cluster token" if credential == "none" else "wrong cluster token"
     assert "refused the registration" in rogue.stderr and reason in rogue.stderr
     assert "rogue" not in {w.worker_id for w in cluster.status().workers}
     assert scrape(router_metrics).get(failures, 0.0) == before + 1
-    tokens, _, _ = stream_tokens(cluster.address, greedy_request([5, 6, 7]))
+    tokens, _, _ = stream_tokens(cluster.address, greedy_request([5, 6, 7]), root_ca=cluster.ca)
     assert tokens  # still served, by the members only
 
 

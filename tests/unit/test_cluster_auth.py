@@ -80,10 +80,11 @@ def test_internal_calls_need_the_token_and_refusals_are_counted(server):
     assert refused == [f"/{REGISTRY}/Heartbeat"] * 2
 
 
-def test_binding_beyond_loopback_warns_louder_without_a_token():
-    assert auth.warn_if_exposed("the router", "127.0.0.1", None) is None
+def test_binding_beyond_loopback_warns_about_plaintext_and_open_membership():
+    assert auth.warn_if_exposed("the router", "127.0.0.1", None, plaintext=True) is None
     assert auth.warn_if_exposed("the router", "localhost", None) is None
-    loud = auth.warn_if_exposed("the router", "0.0.0.0", None)
-    assert "ANY process that reaches it may join the cluster" in loud
-    quiet = auth.warn_if_exposed("worker d-0", "10.0.0.5", TOKEN)
-    assert "internal RPCs need the cluster token" in quiet and "plaintext" in quiet
+    both = auth.warn_if_exposed("the router", "0.0.0.0", None, plaintext=True)
+    assert "public API is plaintext" in both and "ANY process that reaches it" in both
+    assert auth.warn_if_exposed("the router", "10.0.0.5", TOKEN, plaintext=False) is None
+    token_only = auth.warn_if_exposed("worker d-0", "10.0.0.5", None)
+    assert "plaintext" not in token_only and "may join the cluster" in token_only
