@@ -271,11 +271,12 @@ def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
     print("starting the cluster (loading the model in every worker)...", flush=True)
     cluster.start()
     http = cluster.status().http_address
+    ca = f" --tls-ca {spec.tls_ca}" if spec.tls_cert else ""
     print(f"cluster ready: {cluster.address}  "
           f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated"
           f"{_gpu_note(cluster)})\n"
-          f"try: .venv/bin/python -m router client --address {cluster.address} \"Hello!\"\n"
-          + (f"OpenAI-compatible API: http://{http}/v1\n" if http else "")
+          f"try: .venv/bin/python -m router client --address {cluster.address}{ca} \"Hello!\"\n"
+          + (f"OpenAI-compatible API: http{'s' if ca else ''}://{http}/v1\n" if http else "")
           + "Ctrl-C stops everything.", flush=True)
     try:
         while not stop["now"]:
