@@ -64,12 +64,30 @@ def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 
         return tokens, text, last
 
 
-def stream_all(address: str, prompts: list[list[int]], concurrency: int = 16
-               ) -> list[list[int]]:
+def stream_all(address: str, prompts: list[list[int]], concurrency: int = 16,
+               root_ca: bytes | None = None) -> list[list[int]]:
     with ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(stream_tokens, address, greedy_request(p, rid=f"t{i}"))
-                   for i, p in enumerate(prompts)]
+        futures = [pool.submit(stream_tokens, address, greedy_request(p, rid=f"t{i}"),
+                               root_ca=root_ca) for i, p in enumerate(prompts)]
         return [f.result()[0] for f in futures]
+
+
+def secure_spec(tmp: Path) -> dict[str, str]:
+    """Secure mode for start_cluster: a cluster token and TLS from a throwaway CA."""
+    from serving.auth import new_token
+    from serving.certs import make_certs
+
+    certs = make_certs(tmp / "certs")
+    token = tmp / "cluster.token"
+    token.write_text(new_token())
+    token.chmod(0o600)
+    return {"cluster_token_file": str(token), "tls_cert": str(certs["server.pem"]),
+            "tls_key": str(certs["server.key"]), "tls_ca": str(certs["ca.pem"])}
+
+
+def router_ca(cluster: LocalCluster) -> bytes | None:
+    """The CA a client of this cluster's router trusts (None: plaintext)."""
+    return Path(cluster.spec.tls_ca).read_bytes() if cluster.spec.tls_ca else None
 
 
 def wait_blocks_free(cluster: LocalCluster, timeout_s: float = 15.0) -> list[pb.WorkerStatus]:

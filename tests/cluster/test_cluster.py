@@ -2,7 +2,8 @@
 once per transport (shared: one-sided copies into the decode worker's shared-memory cache; dist:
 gloo pair groups), at 1P+1D and 2P+2D, one cluster per combination shared by its tests, and over
 the placement modes (local prefill on the decode worker auto or off; cache-aware or load-only
-placement). Greedy output through the cluster must be token-identical to the offline engine."""
+placement); the dist 2P+2D cluster runs in secure mode (cluster token, TLS, transfer secrets).
+Greedy output through the cluster must be token-identical to the offline engine."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from tests.cluster.cluster_helpers import (
     greedy_request,
     long_prompt,
     offline_greedy,
+    router_ca,
     scrape,
+    secure_spec,
     start_cluster,
     stream_all,
     stream_tokens,
@@ -41,20 +44,23 @@ def reference(prompts) -> list[list[int]]:
     return offline_greedy(prompts, MAX_TOKENS)
 
 
-# (transport, prefill workers, decode workers, router placement flags)
-CLUSTERS = [("shared", 1, 1, ()), ("shared", 2, 2, ("--local-prefill", "off")),
-            ("dist", 1, 1, ("--local-prefill", "off", "--placement", "load")),
-            ("dist", 2, 2, ())]
+# (transport, prefill workers, decode workers, router placement flags, secure mode: a cluster
+# token, TLS on the router, transfer secrets checked — the whole module runs on it once)
+CLUSTERS = [("shared", 1, 1, (), False), ("shared", 2, 2, ("--local-prefill", "off"), False),
+            ("dist", 1, 1, ("--local-prefill", "off", "--placement", "load"), False),
+            ("dist", 2, 2, (), True)]
 
 
 @pytest.fixture(scope="module", params=CLUSTERS,
                 ids=lambda p: f"{p[0]}-{p[1]}p{p[2]}d{'-' if p[3] else ''}"
-                              f"{'-'.join(a.strip('-') for a in p[3])}")
+                              f"{'-'.join(a.strip('-') for a in p[3])}"
+                              f"{'-secure' if p[4] else ''}")
 def cluster(request, tmp_path_factory, reference):
-    transport, prefill, decode, placement = request.param
-    with start_cluster(tmp_path_factory.mktemp(f"{transport}-{prefill}p{decode}d"),
-                       prefill=prefill, decode=decode, dtype="float32",
-                       kv_transport=transport, router_args=placement) as running:
+    transport, prefill, decode, placement, secure = request.param
+    tmp = tmp_path_factory.mktemp(f"{transport}-{prefill}p{decode}d")
+    with start_cluster(tmp, prefill=prefill, decode=decode, dtype="float32",
+                       kv_transport=transport, router_args=placement,
+                       **(secure_spec(tmp) if secure else {})) as running:
         yield running
 
 
@@ -62,7 +68,8 @@ def test_cluster_greedy_matches_offline_engine_with_16_concurrent_streams(
         cluster, prompts, reference):
     before = {w.worker_id: w.total_blocks for w in cluster.status().workers}
     with LoadWatcher(cluster) as watcher:
-        got = stream_all(cluster.address, prompts[:17], concurrency=16)
+        got = stream_all(cluster.address, prompts[:17], concurrency=16,
+                         root_ca=router_ca(cluster))
     for i, (ours, ref) in enumerate(zip(got, reference)):
         assert ours == ref, f"prompt {i} ({len(prompts[i])} tokens) differs"
     workers = wait_blocks_free(cluster)
@@ -88,7 +95,8 @@ def test_long_prompt_crosses_the_transfer_intact_and_reports_timings(
     ids = prompts[-2]  # seen by no worker yet
     assert len(ids) >= 1400
     streamed_before = streamed_bytes(cluster)
-    tokens, text, last = stream_tokens(cluster.address, greedy_request(ids))
+    tokens, text, last = stream_tokens(cluster.address, greedy_request(ids),
+                                       root_ca=router_ca(cluster))
     assert tokens == reference[-2]
     # Prefilled alone in 512-token chunks: every chunk but the last was streamed while the next
     # one computed (a copy on shared, a piece on dist), the rest (the tail) after the first token.
@@ -110,7 +118,8 @@ def test_only_blocks_the_decode_worker_lacks_are_sent(cluster, prompts, referenc
     """Its first 800 tokens were the previous test's prompt's: both the prefill worker that
     computed it and the decode worker that received it hold them in their prefix caches."""
     ids = prompts[-1]
-    tokens, _, last = stream_tokens(cluster.address, greedy_request(ids))
+    tokens, _, last = stream_tokens(cluster.address, greedy_request(ids),
+                                    root_ca=router_ca(cluster))
     assert tokens == reference[-1]
     assert last.usage.cached_tokens == 800  # not computed again on the prefill worker
     assert last.timings.kv_transport == cluster.spec.kv_transport  # prefilled remotely
@@ -131,7 +140,8 @@ def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference):
 
 
 def test_a_short_prompt_is_prefilled_where_the_placement_mode_says(cluster, prompts, reference):
-    tokens, _, last = stream_tokens(cluster.address, greedy_request(prompts[9]))
+    tokens, _, last = stream_tokens(cluster.address, greedy_request(prompts[9]),
+                                    root_ca=router_ca(cluster))
     assert tokens == reference[9]
     local = "off" not in cluster.spec.router_args
     assert last.timings.prefill_site == ("local" if local else "remote")
