@@ -30,13 +30,15 @@ def _placement() -> dict[str, Any]:
 
 class RouterActor:
     def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int,
-                 http_port: int = 8000):
+                 http_port: int = 8000, token_file: str | None = None):
         from router.server import Router, RouterOptions
+        from serving.auth import load_token
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.router = Router(RouterOptions(host=_host(host), port=port, model=model,
                                            max_running=max_running, max_queued=max_queued,
-                                           http_port=http_port))
+                                           http_port=http_port,
+                                           cluster_token=load_token(token_file)))
         self.port = self.router.start()
         self.address = f"{self.router.options.host}:{self.port}"
 
@@ -54,9 +56,11 @@ class RouterActor:
 
 class WorkerActor:
     def __init__(self, role: str, worker_id: str, router_address: str, host: str,
-                 engine: dict[str, Any], grace_s: float, connect_timeout_s: float):
+                 engine: dict[str, Any], grace_s: float, connect_timeout_s: float,
+                 token_file: str | None = None):
         from decode_worker.role import decode_role
         from prefill_worker.role import prefill_role
+        from serving.auth import load_token
         from serving.options import WorkerOptions
         from serving.worker_main import ServingWorker, build_engine
 
@@ -65,7 +69,8 @@ class WorkerActor:
         # deployment may take to come up (a constructor that fails is not restarted again).
         options = WorkerOptions(role=role, router=router_address, host=_host(host),
                                 worker_id=worker_id, grace_s=grace_s,
-                                connect_timeout_s=connect_timeout_s, **engine)
+                                connect_timeout_s=connect_timeout_s,
+                                cluster_token=load_token(token_file), **engine)
         llm_engine = build_engine(options)
         make_role = prefill_role if role == "prefill" else decode_role
         self.worker = ServingWorker(options, make_role(llm_engine, options),

@@ -4,6 +4,7 @@ starts. No ray here: the schema is checked (and tested) without a cluster.
 Schema (every key optional except where noted; unknown keys are errors):
 
     name: pdserve              # actor and placement-group names derive from it
+    cluster_token_file: null   # a path on every node: the cluster token (serving.auth)
     ray:
       address: auto            # what ray.init connects to ("auto": the running cluster)
       namespace: pdserve
@@ -220,12 +221,15 @@ class DeployConfig:
     decode: ReplicasSection = field(default_factory=ReplicasSection)
     workers: WorkersSection = field(default_factory=WorkersSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    cluster_token_file: str | None = None  # read by each actor on its node
 
     def __post_init__(self) -> None:
+        if self.cluster_token_file == "":
+            raise ConfigError("cluster_token_file must be a path (or null)")
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"name must be letters, digits, '-' or '_', got {self.name!r}")
-        for role in ("prefill", "decode"):
-            replicas = getattr(self, role).replicas
+        for role, replicas in (("prefill", self.prefill.replicas),
+                               ("decode", self.decode.replicas)):
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
                                   f"{replicas}")

@@ -121,7 +121,7 @@ def _start_router(config: DeployConfig) -> Any:
         max_restarts=section.max_restarts, max_concurrency=4, num_cpus=section.num_cpus,
         resources={HEAD_RESOURCE: 0.001},
     ).remote(section.host, section.port, config.model.path, section.max_running,
-             section.max_queued, section.http_port)
+             section.max_queued, section.http_port, config.cluster_token_file)
 
 
 def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,
@@ -136,7 +136,7 @@ def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, work
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=bundle),
     ).remote(role, worker_id, router_address, workers.host, config.worker_engine(),
-             workers.grace_s, config.placement.timeout_s)
+             workers.grace_s, config.placement.timeout_s, config.cluster_token_file)
 
 
 def _wait_registered(router_address: str, count: int, timeout_s: float) -> None:

@@ -4,16 +4,22 @@ again), tear down with no actor left; invalid configs fail before anything start
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 import urllib.request
 
+import grpc
 import pytest
 import ray
 
 from deploy import deployment
 from deploy.config import ConfigError
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from serving.auth import new_token
+from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
 from tests.cluster.ray_helpers import (
     NAMESPACE,
@@ -61,11 +67,19 @@ def test_invalid_config_is_refused_before_anything_starts(local_ray, tiny_llama_
     assert not deployment._existing(tiny_config(tiny_llama_dir))
 
 
-def test_deploy_stream_restart_and_teardown(local_ray, tiny_llama_dir):
-    config = tiny_config(tiny_llama_dir)
+def test_deploy_stream_restart_and_teardown(local_ray, tiny_llama_dir, tmp_path):
+    token = tmp_path / "cluster.token"  # every actor reads it on its node (here: one node)
+    token.write_text(new_token())
+    token.chmod(0o600)
+    config = dataclasses.replace(tiny_config(tiny_llama_dir), cluster_token_file=str(token))
     result = deployment.deploy(config)
     try:
         reference = _generate(result.router_address)
+        with channel(result.router_address) as ch, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.WorkerRegistryStub(ch).Register(pb.RegisterRequest(
+                worker_id="rogue", role=pb.WORKER_ROLE_DECODE, address="127.0.0.1:1",
+                model=tiny_llama_dir.name, block_size=16), timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED  # the actors have it
         assert {a["role"] for a in result.actors} == {"router", "prefill", "decode"}
         router = next(a for a in result.actors if a["role"] == "router")
         assert router["http_address"] == f"127.0.0.1:{config.router.http_port}"
