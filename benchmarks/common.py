@@ -87,3 +87,12 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 def check_lengths(rows: list[Row], lengths: dict[str, int]) -> list[str]:
     """Row ids whose generated length differs from their max_tokens (empty when all match)."""
     return [r["id"] for r in rows if lengths.get(r["id"]) != r["max_tokens"]]
+
+
+def replace_marked(text: str, body: list[str], title: str, start: str, end: str) -> str:
+    """`text` (BENCHMARKS.md) with the section between the `start` and `end` markers replaced
+    by `body`, or, the first time, appended under `title`."""
+    block = "\n".join([start, *body, end])
+    if start in text and end in text:
+        return text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    return text.rstrip("\n") + f"\n\n{title}\n\n{block}\n"

@@ -17,10 +17,12 @@ import argparse
 import http.client
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import replace_marked
 from benchmarks.kv_transfer import cpu_model
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
@@ -113,8 +115,6 @@ def section(results: dict[str, list[dict]], command: str) -> list[str]:
 
 
 def main() -> None:
-    import sys
-
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20)
@@ -126,14 +126,7 @@ def main() -> None:
     print("\n".join(body))
     if args.write:
         path = ROOT / "BENCHMARKS.md"
-        text = path.read_text()
-        block = "\n".join([START, *body, END])
-        if START in text and END in text:
-            text = text[:text.index(START)] + block + text[text.index(END) + len(END):]
-        else:
-            text = text.rstrip("\n") + f"\n\n{TITLE}\n\n{block}\n"
-        path.write_text(text)
-
+        path.write_text(replace_marked(path.read_text(), body, TITLE, START, END))
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import SHARED_BENCH
+from benchmarks.common import SHARED_BENCH, replace_marked
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import ClusterSpec, LocalCluster
@@ -218,11 +218,8 @@ def section(rows: list[dict], command: str, requests: int, wall_s: float) -> lis
 
 
 def replace_section(text: str, body: list[str]) -> str:
-    """`text` with the marked section replaced, or the titled section appended."""
-    block = "\n".join([START, *body, END])
-    if START in text and END in text:
-        return text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    return text.rstrip("\n") + f"\n\n{TITLE}\n\n{block}\n"
+    """`text` with this benchmark's section replaced (or appended)."""
+    return replace_marked(text, body, TITLE, START, END)
 
 
 def main() -> None:

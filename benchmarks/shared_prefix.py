@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks.common import replace_marked
 from benchmarks.kv_transfer import cpu_model, text_tokens
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
@@ -189,11 +190,8 @@ def main() -> None:
 
 
 def replace_section(text: str, body: list[str]) -> str:
-    """`text` with the marked section replaced, or the titled section appended."""
-    block = "\n".join([START, *body, END])
-    if START in text and END in text:
-        return text[:text.index(START)] + block + text[text.index(END) + len(END):]
-    return text.rstrip("\n") + f"\n\n{TITLE}\n\n{block}\n"
+    """`text` with this benchmark's section replaced (or appended)."""
+    return replace_marked(text, body, TITLE, START, END)
 
 
 if __name__ == "__main__":
