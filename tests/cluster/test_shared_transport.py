@@ -40,6 +40,17 @@ def test_block_runs_and_copy_between_caches():
     assert n == 5 * src[:, :, 0].numel() * 4
 
 
+def blocks_then_stop(proc, queue, commands) -> tuple[torch.Tensor, bool]:  # noqa: ANN001
+    """The exporter's blocks at DST_BLOCKS and whether every other block is still zero; then
+    the exporter stops."""
+    commands.put("check")
+    kind, blocks, rest_zero = queue.get(timeout=30)
+    assert kind == "blocks"
+    commands.put("stop")
+    proc.join(30)
+    return blocks, rest_zero
+
+
 def events(queue, n: int) -> list[tuple]:
     return [queue.get(timeout=60) for _ in range(n)]
 
@@ -61,12 +72,9 @@ def test_blocks_land_at_the_receivers_ids_and_nowhere_else():
     refused = writer_side[1]
     assert "refused begin" in refused[1] and not refused[2]  # not permanent: the pair is fine
     assert all(e[2] == "shared" for e in writer_side if e[0] == "sent")
-    commands.put("check")
-    kind, blocks, rest_zero = queue.get(timeout=30)
-    assert kind == "blocks" and torch.equal(blocks, shared_peers.expected_blocks())
+    blocks, rest_zero = blocks_then_stop(proc, queue, commands)
+    assert torch.equal(blocks, shared_peers.expected_blocks())
     assert rest_zero, "a block outside the destination ids was written"
-    commands.put("stop")
-    proc.join(30)
 
 
 def test_writes_in_pieces_interleave_through_one_mapping_and_land_whole():
@@ -83,12 +91,9 @@ def test_writes_in_pieces_interleave_through_one_mapping_and_land_whole():
     block = shared_peers.source_cache()[:, :, 0].numel() * 4
     assert [e[3] for e in exporter_side[2:4]] == [2 * block, 3 * block]  # b, then a
     assert [e[1] for e in got if e[0] == "sent"] == [2 * block, 3 * block]
-    commands.put("check")
-    kind, blocks, rest_zero = queue.get(timeout=30)
-    assert kind == "blocks" and torch.equal(blocks, shared_peers.expected_blocks())
+    blocks, rest_zero = blocks_then_stop(proc, queue, commands)
+    assert torch.equal(blocks, shared_peers.expected_blocks())
     assert rest_zero, "a block outside the destination ids was written"
-    commands.put("stop")
-    proc.join(30)
 
 
 def test_a_writer_without_the_transfer_secret_is_refused_and_writes_nothing():
@@ -99,11 +104,8 @@ def test_a_writer_without_the_transfer_secret_is_refused_and_writes_nothing():
     writer.join(30)
     assert [e[0] for e in got] == ["error", "gone"]  # never began: no write was admitted
     assert "wrong transfer secret" in got[0][1] and not got[0][2]
-    commands.put("check")
-    kind, blocks, rest_zero = queue.get(timeout=30)
-    assert kind == "blocks" and not blocks.any() and rest_zero, "a refused writer wrote"
-    commands.put("stop")
-    proc.join(30)
+    blocks, rest_zero = blocks_then_stop(proc, queue, commands)
+    assert not blocks.any() and rest_zero, "a refused writer wrote"
 
 
 def test_a_writer_killed_mid_write_closes_its_mapping_once_it_has_exited():
