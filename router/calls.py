@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -28,11 +30,57 @@ class RouterError(Exception):
         self.suspect = suspect
 
 
+class LostWorkers:
+    """The calls in flight to each worker, so the router can abandon those of a worker it dropped
+    for missed heartbeats. A partition is silent (no reset, no error): a call on a connection
+    that went quiet would hang until the request's deadline; abandoned, its request retries or
+    migrates at once."""
+
+    def __init__(self, is_live: Callable[[str], bool] = lambda worker_id: True) -> None:
+        self._is_live = is_live  # the registry still lists it
+        self._calls: dict[str, set[Any]] = {}
+        self._abandoned: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def watch(self, worker_id: str, call: Any) -> None:
+        """Watch a call; one to a worker already dropped is abandoned at once (it was placed
+        from a view a moment older than the drop)."""
+        with self._lock:
+            if self._is_live(worker_id):
+                self._calls.setdefault(worker_id, set()).add(call)
+                return
+            self._abandoned.add(call)
+        call.cancel()
+
+    def unwatch(self, worker_id: str, call: Any) -> None:
+        with self._lock:
+            self._calls.get(worker_id, set()).discard(call)
+            self._abandoned.discard(call)
+
+    def abandon(self, worker_id: str) -> int:
+        """Cancel every call in flight to `worker_id`; how many there were."""
+        with self._lock:
+            calls = self._calls.pop(worker_id, set())
+            self._abandoned |= calls
+        for call in calls:
+            call.cancel()
+        return len(calls)
+
+    def abandoned(self, call: Any) -> bool:
+        with self._lock:
+            return call in self._abandoned
+
+    def in_flight(self, worker_id: str) -> int:
+        with self._lock:
+            return len(self._calls.get(worker_id, ()))
+
+
 class CallScope:
-    def __init__(self, time_remaining_s: float | None):
+    def __init__(self, time_remaining_s: float | None, lost: LostWorkers | None = None):
         budget = DEFAULT_TIMEOUT_S if time_remaining_s is None else time_remaining_s
         self.deadline = time.monotonic() + budget
         self.cancelled = threading.Event()
+        self.lost = lost  # the router's, set by the orchestrator: calls to workers it abandons
         self._calls: list[Any] = []
         self._lock = threading.Lock()
 
@@ -68,17 +116,39 @@ class CallScope:
         self.cancelled.wait(min(seconds, max(0.0, self.timeout())))
         self.timeout()  # raise if the wait ended by cancel or deadline
 
-    def unary(self, method: Any, message: Any, what: str) -> Any:
-        """Call a unary worker RPC under this scope; worker errors become RouterErrors."""
-        future = self.track(method.future(message, timeout=self.timeout()))
+    @contextmanager
+    def watching(self, worker_id: str, call: Any, what: str) -> Iterator[None]:
+        """Run a call to `worker_id`: if the router abandons that worker meanwhile (it missed
+        its heartbeats), the call's failure becomes a retryable error naming it as suspect."""
+        lost = self.lost
+        if lost is None:
+            yield
+            return
+        lost.watch(worker_id, call)
         try:
-            return future.result()
-        except grpc.FutureCancelledError:
-            self.timeout()  # DEADLINE_EXCEEDED if that is why the call was cancelled
-            raise RouterError(grpc.StatusCode.CANCELLED,
-                              "the client cancelled the request") from None
-        except grpc.RpcError as exc:
-            raise worker_error(exc, what, self) from exc
+            yield
+        except (RouterError, grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if lost.abandoned(call) and not self.cancelled.is_set():
+                raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{what}: worker {worker_id} missed its heartbeats (dead or cut "
+                                  "off): call abandoned", retryable=True,
+                                  suspect=worker_id) from exc
+            raise
+        finally:
+            lost.unwatch(worker_id, call)
+
+    def unary(self, method: Any, message: Any, what: str, worker_id: str) -> Any:
+        """Call a unary RPC of `worker_id` under this scope; failures become RouterErrors."""
+        future = self.track(method.future(message, timeout=self.timeout()))
+        with self.watching(worker_id, future, what):
+            try:
+                return future.result()
+            except grpc.FutureCancelledError:
+                self.timeout()  # DEADLINE_EXCEEDED if that is why the call was cancelled
+                raise RouterError(grpc.StatusCode.CANCELLED,
+                                  "the client cancelled the request") from None
+            except grpc.RpcError as exc:
+                raise worker_error(exc, what, self) from exc
 
 
 def worker_error(exc: grpc.RpcError, what: str, scope: CallScope) -> RouterError:

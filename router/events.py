@@ -7,8 +7,12 @@ import dataclasses
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable, Iterator
+
+import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
+from router.calls import CallScope, RouterError, worker_error
 from router.frontend import Job
 
 
@@ -69,3 +73,30 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(emitted))
     return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
                                token_ids=job.token_ids + emitted, params=params)
+
+
+def decode_events(worker_id: str, call: Iterator[pb.TokenChunk], message: pb.DecodeRequest,
+                  scope: CallScope, end: Finished, on_first: Callable[[], None] | None
+                  ) -> Iterator[Tokens | Finished]:
+    """A decode stream's chunks as events (`on_first` runs at the first chunk)."""
+    first = True
+    try:
+        for chunk in call:
+            if on_first is not None:
+                on_first()
+                on_first = None
+            if first:
+                end.note_first_chunk(chunk, whole=not message.HasField("first_token_id"))
+                first = False
+            if chunk.token_ids:
+                yield Tokens(list(chunk.token_ids), list(chunk.logprobs))
+            if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                end.finish_reason, end.stop_reason = chunk.finish_reason, chunk.stop_reason
+                yield end
+                return
+    except grpc.RpcError as exc:
+        error = worker_error(exc, f"decode on {worker_id}", scope)
+        error.suspect = worker_id
+        raise error from exc
+    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker_id} ended the stream "
+                      "without finishing", retryable=True, suspect=worker_id)

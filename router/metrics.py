@@ -71,6 +71,12 @@ class RouterMetrics:
         self.auth_failures = Counter("pdserve_router_auth_failures", "Internal calls refused "
                                      "UNAUTHENTICATED (no or wrong cluster token), by method",
                                      ["method"], registry=self.registry)
+        self.workers_dropped = Counter("pdserve_router_workers_dropped", "Workers dropped for "
+                                       "missed heartbeats (dead, hung or cut off), by role",
+                                       ["role"], registry=self.registry)
+        self.calls_abandoned = Counter("pdserve_router_calls_abandoned", "Calls in flight to "
+                                       "dropped workers, cancelled so their requests retry or "
+                                       "migrate", registry=self.registry)
         self.http_port = 0
 
     def refused_unauthenticated(self, method: str) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
-from router.calls import CallScope, RouterError, worker_error
-from router.events import Finished, Tokens, continuation, transfer_secret
+from router.calls import CallScope, LostWorkers, RouterError
+from router.events import Finished, Tokens, continuation, decode_events, transfer_secret
 from router.frontend import Job
 from router.metrics import RouterMetrics
 from router.placement import Charge, PlacementPolicy, Suspects
@@ -43,9 +43,12 @@ class Orchestrator:
         self.metrics = metrics
         self.lease_s = lease_s
         self.max_attempts = max_attempts
+        # The reaper abandons the calls in flight to the workers it drops.
+        self.lost = LostWorkers(lambda worker_id: self.registry.get(worker_id) is not None)
 
     def run(self, job: Job, scope: CallScope) -> Iterator[Tokens | Finished]:
         emitted: list[int] = []
+        scope.lost = self.lost
         suspects = Suspects(self.registry.heartbeat_timeout_s)
         end = Finished(pb.FINISH_REASON_UNSPECIFIED, "")
         for attempt in range(1, self.max_attempts + 1):
@@ -167,7 +170,8 @@ class Orchestrator:
                 # The router aborts the reservation on every failure path it sees; the lease
                 # is the backstop for what it cannot see (its own death), so it lasts as long
                 # as the request may: KV arriving after the deadline is useless anyway.
-                lease_s=max(self.lease_s, scope.timeout() + LEASE_MARGIN_S)), "reserve")
+                lease_s=max(self.lease_s, scope.timeout() + LEASE_MARGIN_S)), "reserve",
+                decode.worker_id)
         except RouterError as exc:
             self.placement.release(charge)
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # our view was stale
@@ -199,7 +203,7 @@ class Orchestrator:
                     decode_kv_device=decode.kv_device, decode_kv_transport=decode.kv_transport,
                     decode_kv_export_address=decode.kv_export_address,
                     decode_cached_blocks=reserve.num_cached_blocks,
-                    transfer_secret=transfer_secret(part)), "prefill")
+                    transfer_secret=transfer_secret(part)), "prefill", prefill.worker_id)
             except RouterError as exc:
                 if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # its queue is full
                     holders.pop()
@@ -255,28 +259,8 @@ class Orchestrator:
                 end: Finished, on_first: Callable[[], None] | None = None
                 ) -> Iterator[Tokens | Finished]:
         call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
-        first = True
-        try:
-            for chunk in call:
-                if on_first is not None:
-                    on_first()
-                    on_first = None
-                if first:
-                    end.note_first_chunk(chunk, whole=not message.HasField("first_token_id"))
-                    first = False
-                if chunk.token_ids:
-                    yield Tokens(list(chunk.token_ids), list(chunk.logprobs))
-                if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    end.finish_reason, end.stop_reason = chunk.finish_reason, chunk.stop_reason
-                    yield end
-                    return
-        except grpc.RpcError as exc:
-            error = worker_error(exc, f"decode on {worker.worker_id}", scope)
-            error.suspect = worker.worker_id
-            raise error from exc
-        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker.worker_id} ended "
-                          "the stream without finishing", retryable=True,
-                          suspect=worker.worker_id)
+        with scope.watching(worker.worker_id, call, f"decode on {worker.worker_id}"):
+            yield from decode_events(worker.worker_id, call, message, scope, end, on_first)
 
     def _wait_for_room(self, role: Role, total_tokens: int, scope: CallScope,
                        suspects: Suspects) -> None:

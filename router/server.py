@@ -163,8 +163,11 @@ class Router:
     def _reap(self) -> None:
         while not self._stopped.wait(self.options.heartbeat_interval_s):
             for worker in self.registry.drop_dead():
-                log.warning("worker %s (%s) missed its heartbeats: dropped", worker.worker_id,
-                            worker.address)
+                abandoned = self.orchestrator.lost.abandon(worker.worker_id)
+                self.metrics.workers_dropped.labels(worker.role.value).inc()
+                self.metrics.calls_abandoned.inc(abandoned)
+                log.warning("worker %s (%s) missed its heartbeats: dropped, %d calls in flight "
+                            "to it abandoned", worker.worker_id, worker.address, abandoned)
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stopped.set()
