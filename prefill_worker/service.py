@@ -20,7 +20,7 @@ from serving.convert import (
     stop_reason_to_proto,
 )
 from serving.gate import QueueFull
-from serving.grpc_server import channel
+from serving.grpc_server import internal_channel
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
 DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline
@@ -39,7 +39,7 @@ class DecodeStubs:
     def stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         with self._lock:
             if address not in self._stubs:
-                self._stubs[address] = pb_grpc.DecodeWorkerStub(channel(address))
+                self._stubs[address] = pb_grpc.DecodeWorkerStub(internal_channel(address))
             return self._stubs[address]
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from serving.tls import add_cluster_tls_args
+
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--cluster-token-file", default=None,
                        help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN): "
                             "workers without it cannot register")
+    serve.add_argument("--internal-port", type=int, default=None,
+                       help="serve the worker registry on its own port (needed with "
+                            "--cluster-cert; default: on --port)")
+    add_cluster_tls_args(serve)
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
     _add_placement_args(serve)
@@ -64,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--cluster-token-file", default=None,
                         help="the cluster's shared secret, given to every process (else env "
                              "PDSERVE_CLUSTER_TOKEN, which the processes inherit)")
+    add_cluster_tls_args(launch)
     _add_gpu_args(launch)
     _add_placement_args(launch)
     client = sub.add_parser("client", help="stream a generation")
@@ -173,14 +180,16 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        http_port=args.http_port, cluster_token_file=args.cluster_token_file,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                       cluster_cert=args.cluster_cert, cluster_key=args.cluster_key,
+                       cluster_ca=args.cluster_ca)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from router.server import RouterOptions
     from router.server import serve as run_router
     from serving.auth import load_token
-    from serving.tls import ServerTls
+    from serving.tls import ClusterTls, ServerTls
 
     return run_router(RouterOptions(
         host=args.host, port=args.port, model=args.model,
@@ -188,18 +197,20 @@ def _serve(args: argparse.Namespace) -> int:
         max_queued=args.max_queued, metrics_port=args.metrics_port, http_port=args.http_port,
         cluster_token=load_token(args.cluster_token_file),
         tls=ServerTls.load(args.tls_cert, args.tls_key), insecure=args.insecure,
-        grace_s=args.grace_s, **placement_options(args)))
+        cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca),
+        internal_port=args.internal_port, grace_s=args.grace_s, **placement_options(args)))
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from router.launch import run_until_interrupted
+    from router.run_cluster import run_until_interrupted
     from router.server import RouterOptions
     from serving.auth import load_token
-    from serving.tls import ServerTls, read_ca
+    from serving.tls import ClusterTls, ServerTls, read_ca
 
     load_token(args.cluster_token_file)  # bad files and values fail here, not in a child
     read_ca(args.tls_ca)
     ServerTls.load(args.tls_cert, args.tls_key)
+    ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca)
     if args.tls_cert and not args.tls_ca:
         raise ValueError("--tls-cert needs --tls-ca: the workers check the router with it "
                          "(python -m router certs writes both)")

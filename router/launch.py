@@ -51,6 +51,11 @@ class ClusterSpec:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    # Mutual TLS between every process (all three or none); the workers then register on a
+    # port of the router's own, apart from the public one.
+    cluster_cert: str | None = None
+    cluster_key: str | None = None
+    cluster_ca: str | None = None
     device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
@@ -63,6 +68,8 @@ class ClusterSpec:
             raise ValueError("need >= 1 prefill and >= 1 decode worker, or --colocated N")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("colocated mode runs colocated workers only (set prefill=decode=0)")
+        if len({bool(self.cluster_cert), bool(self.cluster_key), bool(self.cluster_ca)}) > 1:
+            raise ValueError("--cluster-cert, --cluster-key and --cluster-ca go together")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.kv_transport not in ("auto", "shared", "dist"):
@@ -111,6 +118,7 @@ class LocalCluster:
     spec: ClusterSpec
     log_dir: Path | None = None
     address: str = ""
+    registry_address: str = ""  # where workers register (the router's internal port, or address)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     signalled: set[str] = field(default_factory=set)  # processes meant to exit
     gpu_slots: dict[str, GpuSlot] = field(default_factory=dict)  # worker name -> its GPU (cuda)
@@ -121,15 +129,20 @@ class LocalCluster:
             raise RuntimeError("this cluster is already started")
         self.resolve_gpus()  # a cluster that cannot fit fails before anything starts
         port = self.spec.port or free_port(self.spec.host)
-        self.address = f"{self.spec.host}:{port}"
+        self.address = self.registry_address = f"{self.spec.host}:{port}"
+        internal = []
+        if self.spec.cluster_cert:
+            internal_port = free_port(self.spec.host)
+            self.registry_address = f"{self.spec.host}:{internal_port}"
+            internal = ["--internal-port", str(internal_port)]
         try:
             http_port = self.spec.http_port
             if http_port is None:
                 http_port = free_port(self.spec.host)
             self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
                                    str(port), "--model", self.spec.model, "--http-port",
-                                   str(http_port), *self._token_args(), *self._tls_args(True),
-                                   *self.spec.router_args])
+                                   str(http_port), *internal, *self._token_args(),
+                                   *self._tls_args(True), *self.spec.router_args])
             if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
@@ -157,17 +170,25 @@ class LocalCluster:
         name = f"{role}-{index}"
         module = "prefill_worker" if role == "prefill" else "decode_worker"
         extra = ["--colocated"] if role == "colocated" else []
-        return name, [module, "--router", self.address, "--host", self.spec.host,
+        return name, [module, "--router", self.registry_address or self.address,
+                      "--host", self.spec.host,
                       "--threads", str(self.spec.threads), "--model", self.spec.model,
                       "--worker-id", name, *extra, *self._engine_args(), *self._gpu_args(name),
                       *self._token_args(), *self._tls_args(False), *self.spec.worker_args]
 
     def _tls_args(self, router: bool) -> list[str]:
-        """The router gets its certificate and key; the workers the CA to trust it with."""
+        """The router gets its certificate and key, the workers the CA to trust it with; every
+        process its cluster certificate (mutual TLS)."""
         spec = self.spec
+        args = []
         if router and spec.tls_cert:
-            return ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key or ""]
-        return ["--tls-ca", spec.tls_ca] if not router and spec.tls_ca else []
+            args = ["--tls-cert", spec.tls_cert, "--tls-key", spec.tls_key or ""]
+        elif not router and spec.tls_ca:
+            args = ["--tls-ca", spec.tls_ca]
+        if spec.cluster_cert:
+            args += ["--cluster-cert", spec.cluster_cert, "--cluster-key", spec.cluster_key or "",
+                     "--cluster-ca", spec.cluster_ca or ""]
+        return args
 
     def _token_args(self) -> list[str]:
         """The token's file, never the token: command lines are visible to `ps`."""
@@ -261,39 +282,3 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
-    cluster = LocalCluster(spec, log_dir)
-    stop = {"now": False}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.update(now=True))
-    print("starting the cluster (loading the model in every worker)...", flush=True)
-    cluster.start()
-    http = cluster.status().http_address
-    ca = f" --tls-ca {spec.tls_ca}" if spec.tls_cert else ""
-    print(f"cluster ready: {cluster.address}  "
-          f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated"
-          f"{_gpu_note(cluster)})\n"
-          f"try: .venv/bin/python -m router client --address {cluster.address}{ca} \"Hello!\"\n"
-          + (f"OpenAI-compatible API: http{'s' if ca else ''}://{http}/v1\n" if http else "")
-          + "Ctrl-C stops everything.", flush=True)
-    try:
-        while not stop["now"]:
-            dead = [n for n, p in cluster.processes.items() if p.poll() is not None]
-            if dead:
-                print(f"processes exited: {dead}; stopping the cluster", flush=True)
-                return 1
-            time.sleep(0.5)
-    finally:
-        print("stopping...", flush=True)
-        cluster.stop()
-    return 0
-
-
-def _gpu_note(cluster: LocalCluster) -> str:
-    if not cluster.gpu_slots:
-        return ""
-    placed = ", ".join(f"{name} on cuda:{slot.index} ({slot.memory_fraction:g})"
-                       for name, slot in cluster.gpu_slots.items())
-    return f"; {placed}"

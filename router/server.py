@@ -27,11 +27,12 @@ from router.stubs import WorkerStubs
 from router.wire import TRANSPORT_LIMIT_BYTES
 from serving import auth
 from serving.grpc_server import Server, start_server
-from serving.tls import ServerTls
+from serving.tls import ClusterTls, ServerTls
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name[name].full_name
                  for name in ("Generation", "WorkerRegistry")]
+GENERATION_SERVICE = SERVICE_NAMES[0]
 REGISTRY_SERVICE = SERVICE_NAMES[1]  # internal: only cluster members may register
 
 
@@ -56,6 +57,10 @@ class RouterOptions:
     cluster_token: str | None = field(default=None, repr=False)
     tls: ServerTls | None = None  # TLS on the gRPC and HTTP ports (workers then need the CA)
     insecure: bool = False  # plaintext beyond loopback is intended: no warning
+    # Mutual TLS with the workers; they then register on `internal_port` (gRPC cannot ask only
+    # some callers of one port for a certificate, and public clients have none).
+    cluster_tls: ClusterTls | None = None
+    internal_port: int | None = None  # the registry's own port (None: on the public port)
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -77,6 +82,11 @@ class RouterOptions:
                              f"{self.queue_policy!r}")
         if not self.queue_age_bound_s > 0:
             raise ValueError(f"--queue-age-bound-s must be > 0, got {self.queue_age_bound_s}")
+        if self.internal_port is not None and not 0 <= self.internal_port < 65536:
+            raise ValueError(f"--internal-port must be in [0, 65535], got {self.internal_port}")
+        if self.cluster_tls is not None and self.internal_port is None:
+            raise ValueError("--cluster-cert needs --internal-port: workers register there over "
+                             "mutual TLS, apart from the public port")
 
 
 def model_dir(model: str) -> Path:
@@ -112,6 +122,8 @@ class Router:
                            self._placeable_workers)
         self._stopped = threading.Event()
         self.server: Server | None = None
+        self.internal_server: Server | None = None  # the registry, with --internal-port
+        self.internal_address = ""
         self.generation: GenerationServicer | None = None
         self.http: HttpApi | None = None
         self.http_address = ""
@@ -121,8 +133,10 @@ class Router:
                 for role in Role}
 
     def start(self) -> int:
-        auth.configure(self.options.cluster_token)  # our calls to workers carry it too
-        auth.warn_if_exposed("the router", self.options.host, self.options.cluster_token,
+        # Our calls to the workers carry the same credentials.
+        auth.configure(self.options.cluster_token, self.options.cluster_tls)
+        auth.warn_if_exposed("the router", self.options.host,
+                             self.options.cluster_token or self.options.cluster_tls,
                              plaintext=self.options.tls is None and not self.options.insecure)
         metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         self.metrics_address = f"{self.options.host}:{metrics_port}"
@@ -134,20 +148,32 @@ class Router:
                                 self.options.tls.ssl_context() if self.options.tls else None)
             self.http_address = f"{self.options.host}:{self.http.start()}"
             generation.http_address = self.http_address
+        self._serve_grpc(generation)
+        threading.Thread(target=self._reap, name="reaper", daemon=True).start()
+        return self.server.port
+
+    def _serve_grpc(self, generation: GenerationServicer) -> None:
+        """The public port (Generation, and the registry unless it has its own port)."""
         registry = WorkerRegistryServicer(self.registry, self.model_name,
                                           self.options.heartbeat_interval_s)
+        add_registry = [lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)]
+        apart = self.options.internal_port is not None
         self.server = start_server(
             self.options.host, self.options.port,
-            [lambda s: add_generation_servicer(generation, s),
-             lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)],
-            SERVICE_NAMES, max_receive_bytes=TRANSPORT_LIMIT_BYTES,
+            [lambda s: add_generation_servicer(generation, s), *([] if apart else add_registry)],
+            [GENERATION_SERVICE] if apart else SERVICE_NAMES,
+            max_receive_bytes=TRANSPORT_LIMIT_BYTES,
             internal=[REGISTRY_SERVICE], on_refused=self.metrics.refused_unauthenticated,
             tls=self.options.tls,
             # Every running or queued stream holds a handler thread; the pool must not be what
             # limits them (gRPC would queue the excess silently instead of refusing it).
             max_workers=self.options.max_running + self.options.max_queued + 64)
-        threading.Thread(target=self._reap, name="reaper", daemon=True).start()
-        return self.server.port
+        if apart:  # mutual TLS (with --cluster-cert), the token, or both
+            self.internal_server = start_server(
+                self.options.host, self.options.internal_port or 0, add_registry,
+                [REGISTRY_SERVICE], internal=[REGISTRY_SERVICE],
+                on_refused=self.metrics.refused_unauthenticated, tls=self.options.cluster_tls)
+            self.internal_address = f"{self.options.host}:{self.internal_server.port}"
 
     def drain(self) -> bool:
         """Refuse new requests (health NOT_SERVING), let in-flight ones finish within the
@@ -175,12 +201,16 @@ class Router:
             self.http.stop()
         if self.server is not None:
             self.server.stop(grace_s)
+        if self.internal_server is not None:
+            self.internal_server.stop(grace_s)
 
 
 def serve(options: RouterOptions) -> int:
     router = Router(options)
     port = router.start()
     http = f", OpenAI API: http://{router.http_address}/v1" if router.http_address else ""
+    if router.internal_address:
+        http += f", workers register at {router.internal_address}"
     print(f"router serving on {options.host}:{port} "
           f"(metrics: http://{router.metrics_address}/metrics{http})", flush=True)
     stop = threading.Event()

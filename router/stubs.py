@@ -10,7 +10,7 @@ import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.registry import Worker
-from serving.grpc_server import channel
+from serving.grpc_server import internal_channel
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
@@ -24,7 +24,7 @@ class WorkerStubs:
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = channel(address)
+                self._channels[address] = internal_channel(address)
             return self._channels[address]
 
     def decode(self, worker: Worker) -> pb_grpc.DecodeWorkerStub:

@@ -22,11 +22,14 @@ from pathlib import Path
 
 import grpc
 
+from serving.tls import ClusterTls
+
 log = logging.getLogger(__name__)
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
 METADATA_KEY = "x-pdserve-cluster-token"
 MIN_TOKEN_CHARS = 16
 _token: str | None = None
+_tls: ClusterTls | None = None
 
 
 def load_token(path: str | None, env: Mapping[str, str] = os.environ) -> str | None:
@@ -59,20 +62,21 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def warn_if_exposed(what: str, host: str, token: str | None, plaintext: bool = False
-                    ) -> str | None:
+def warn_if_exposed(what: str, host: str, credential: str | ClusterTls | None,
+                    plaintext: bool = False) -> str | None:
     """The warning for a server bound beyond loopback (logged and returned), or None: its
     public API in plaintext (`plaintext`: no TLS and no explicit --insecure), and anyone who
-    reaches it able to join the cluster (no token)."""
-    if is_loopback(host) or not (plaintext or not token):
+    reaches it able to join the cluster (no `credential`: neither token nor cluster mTLS)."""
+    if is_loopback(host) or not (plaintext or not credential):
         return None
     problems = []
     if plaintext:
         problems.append("its public API is plaintext (give --tls-cert/--tls-key, or --insecure "
                         "to say that is intended)")
-    if not token:
+    if not credential:
         problems.append("ANY process that reaches it may join the cluster or call its internal "
-                        "RPCs (set --cluster-token-file or PDSERVE_CLUSTER_TOKEN)")
+                        "RPCs (set --cluster-token-file or PDSERVE_CLUSTER_TOKEN, or "
+                        "--cluster-cert/--cluster-key/--cluster-ca)")
     message = f"{what} binds {host}: " + "; ".join(problems)
     log.warning(message)
     return message
@@ -82,14 +86,19 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def configure(token: str | None) -> None:
-    """This process's cluster token (None: none; internal calls go unauthenticated)."""
-    global _token
-    _token = token
+def configure(token: str | None, tls: ClusterTls | None = None) -> None:
+    """This process's cluster credentials: its token (None: internal calls carry none) and its
+    mutual-TLS certificate (None: internal connections are not mutually authenticated)."""
+    global _token, _tls
+    _token, _tls = token, tls
 
 
 def current() -> str | None:
     return _token
+
+
+def current_tls() -> ClusterTls | None:
+    return _tls
 
 
 class TokenAttacher(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -10,10 +10,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serving import auth
-from serving.tls import ServerTls
+from serving.tls import ClusterTls, ServerTls
 
 # Messages carry token ids and KV-free metadata only; 16 MiB bounds a request's size.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 class Server:
@@ -41,11 +43,12 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
                  service_names: Sequence[str], max_workers: int = 128,
                  max_receive_bytes: int = MAX_MESSAGE_BYTES, internal: Sequence[str] = (),
                  on_refused: Callable[[str], None] | None = None,
-                 tls: ServerTls | None = None) -> Server:
+                 tls: ServerTls | ClusterTls | None = None) -> Server:
     """Bind host:port (port 0 picks a free one), register the services plus health and
     reflection, start, and mark every service SERVING. With a cluster token configured
     (serving.auth), calls to the `internal` services must carry it (`on_refused(method)`
-    counts those that do not). With `tls`, the port speaks TLS only."""
+    counts those that do not). With `tls`, the port speaks TLS only (a ClusterTls: mutual TLS,
+    every caller presenting a certificate of the cluster CA)."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.so_reuseport", 0)]
@@ -61,8 +64,7 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
     reflection.enable_server_reflection(
         [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if tls is not None:
-        credentials = grpc.ssl_server_credentials([tls.key_and_chain()])
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     else:
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
@@ -76,10 +78,23 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
 def channel(address: str, root_ca: bytes | None = None) -> grpc.Channel:
     """A channel to `address` (TLS, trusting `root_ca`, when given); every call on it carries
     this process's cluster token, if any."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    plain = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_ca), options) \
-        if root_ca else grpc.insecure_channel(address, options=options)
+    plain = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_ca),
+                                CHANNEL_OPTIONS) \
+        if root_ca else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return _with_token(plain)
+
+
+def internal_channel(address: str, root_ca: bytes | None = None) -> grpc.Channel:
+    """A channel to another process of the cluster: mutual TLS when this process has a cluster
+    certificate (serving.auth.configure), else as `channel`."""
+    tls = auth.current_tls()
+    if tls is None:
+        return channel(address, root_ca)
+    return _with_token(grpc.secure_channel(address, tls.channel_credentials(), CHANNEL_OPTIONS))
+
+
+def _with_token(plain: grpc.Channel) -> grpc.Channel:
+    """Every call on the channel carries this process's cluster token, if any."""
     token = auth.current()
     return grpc.intercept_channel(plain, auth.TokenAttacher(token)) if token else plain
 

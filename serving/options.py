@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from serving.auth import load_token
-from serving.tls import read_ca
+from serving.tls import ClusterTls, add_cluster_tls_args, read_ca
 
 QUEUE_POLICIES = SchedulerConfig.QUEUE_POLICIES
 DECODE_PREFILL_CHUNK = {"cpu": 32, "cuda": 512}
@@ -53,6 +53,7 @@ class WorkerOptions:
     # The cluster token (serving.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
     cluster_token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None  # the CA the router's TLS certificate is checked against
+    cluster_tls: ClusterTls | None = None  # mutual TLS with every other process of the cluster
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
@@ -138,6 +139,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--tls-ca", default=None,
                         help="PEM CA to check the router's TLS certificate with (when the "
                              "router runs with --tls-cert)")
+    add_cluster_tls_args(parser)
     parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
                         help="prefill: ship each chunk's KV to the decode worker while the next "
                              "chunks compute (off: all after the prompt)")
@@ -159,7 +161,8 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
             kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
             gpu_memory_fraction=args.gpu_memory_fraction,
             fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
-            cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca)
+            cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
+            cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
     except ValueError as exc:  # a bad value or token file: a usage error, not a traceback
         parser.error(str(exc))
 

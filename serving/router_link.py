@@ -12,7 +12,7 @@ import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel
+from serving.grpc_server import internal_channel
 from serving.loop import LoadSnapshot
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class RouterLink:
         self.heartbeat_interval_s = 0.5
         self.draining = False  # sent with every heartbeat: the router stops placing on us
         self._sent_prefix_version = -1  # the prefix digest goes out only when it changed
-        self._channel = channel(router_address, router_ca)  # TLS when the router has it
+        self._channel = internal_channel(router_address, router_ca)  # mTLS, or TLS, or plain
         self._stub = pb_grpc.WorkerRegistryStub(self._channel)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)

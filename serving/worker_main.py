@@ -112,13 +112,13 @@ class ServingWorker:
         self.server: Server | None = None
         self.link: RouterLink | None = None
         try:
-            auth.configure(options.cluster_token)
+            auth.configure(options.cluster_token, options.cluster_tls)
             auth.warn_if_exposed(f"worker {options.worker_id}", options.host,
-                                 options.cluster_token)
+                                 options.cluster_token or options.cluster_tls)
             role.loop.start()
             self.server = start_server(
                 options.host, options.port, [role.add_to_server], role.service_names,
-                internal=role.service_names,
+                internal=role.service_names, tls=options.cluster_tls,
                 on_refused=lambda method: role.metrics.reject(method, "UNAUTHENTICATED"))
             self.address = f"{options.public_host}:{self.server.port}"
             metrics_port = role.metrics.serve(options.host, options.metrics_port)

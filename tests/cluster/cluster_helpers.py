@@ -73,7 +73,8 @@ def stream_all(address: str, prompts: list[list[int]], concurrency: int = 16,
 
 
 def secure_spec(tmp: Path) -> dict[str, str]:
-    """Secure mode for start_cluster: a cluster token and TLS from a throwaway CA."""
+    """Secure mode for start_cluster: a cluster token, TLS on the router's public ports and
+    mutual TLS between every process, from a throwaway CA."""
     from serving.auth import new_token
     from serving.certs import make_certs
 
@@ -82,7 +83,9 @@ def secure_spec(tmp: Path) -> dict[str, str]:
     token.write_text(new_token())
     token.chmod(0o600)
     return {"cluster_token_file": str(token), "tls_cert": str(certs["server.pem"]),
-            "tls_key": str(certs["server.key"]), "tls_ca": str(certs["ca.pem"])}
+            "tls_key": str(certs["server.key"]), "tls_ca": str(certs["ca.pem"]),
+            "cluster_cert": str(certs["server.pem"]), "cluster_key": str(certs["server.key"]),
+            "cluster_ca": str(certs["ca.pem"])}
 
 
 def router_ca(cluster: LocalCluster) -> bytes | None:

@@ -1,12 +1,16 @@
-"""A secure cluster (real processes, the tiny model): a cluster token, and TLS on the router's
-ports with a throwaway CA (`python -m router certs`). It serves both public APIs over TLS to a
-client trusting the CA, and to nobody else (plaintext, or another CA); a worker without the
-token, or with a wrong one, is refused at registration (UNAUTHENTICATED, counted), never listed
-and never sent a prompt; a caller without the token cannot reach the workers' internal RPCs, and
-a member without a reservation's transfer secret cannot write into it."""
+"""A secure cluster (real processes, the tiny model): a cluster token, TLS on the router's
+public ports and mutual TLS between its processes, all from a throwaway CA (`python -m router
+certs`). It serves both public APIs over TLS to a client trusting the CA, and to nobody else
+(plaintext, or another CA); a worker without the token, or with a wrong one, is refused at
+registration (UNAUTHENTICATED, counted), never listed and never sent a prompt; a caller without
+a certificate of the cluster CA (none, another CA's, an expired one) is refused at the TLS
+handshake by the router's registry and by the workers; a caller without the token cannot reach
+the workers' internal RPCs, and a member without a reservation's transfer secret cannot write
+into it."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import ssl
@@ -23,8 +27,9 @@ from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving import auth
 from serving.auth import TOKEN_ENV, new_token
-from serving.certs import make_certs
-from serving.grpc_server import channel
+from serving.certs import issue, make_certs
+from serving.grpc_server import internal_channel
+from serving.tls import ClusterTls
 from tests.cluster.cluster_helpers import (
     greedy_request,
     scrape,
@@ -50,10 +55,13 @@ def cluster(tmp_path_factory, tiny_llama_dir):
     with start_cluster(tmp, prefill=1, decode=1, model=str(tiny_llama_dir), kv_cache_gb=0.05,
                        cluster_token_file=token_file(tmp / "token", new_token()),
                        tls_cert=str(certs["server.pem"]), tls_key=str(certs["server.key"]),
-                       tls_ca=str(certs["ca.pem"]),
+                       tls_ca=str(certs["ca.pem"]), cluster_cert=str(certs["server.pem"]),
+                       cluster_key=str(certs["server.key"]), cluster_ca=str(certs["ca.pem"]),
                        router_args=("--local-prefill", "off")) as running:
         running.token = (tmp / "token").read_text().strip()
         running.ca = certs["ca.pem"].read_bytes()
+        running.member_tls = ClusterTls.load(str(certs["server.pem"]), str(certs["server.key"]),
+                                             str(certs["ca.pem"]))
         yield running
 
 
@@ -90,10 +98,12 @@ def test_a_worker_without_the_token_is_refused_and_never_placed(cluster, tmp_pat
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     extra = [] if credential == "none" else [
         "--cluster-token-file", token_file(tmp_path / "wrong", new_token())]
-    rogue = subprocess.run(
-        [sys.executable, "-m", "decode_worker", "--router", cluster.address, "--model",
+    spec = cluster.spec
+    rogue = subprocess.run(  # it holds a cluster certificate: only the token lacks
+        [sys.executable, "-m", "decode_worker", "--router", cluster.registry_address, "--model",
          str(tiny_llama_dir), "--kv-cache-gb", "0.05", "--worker-id", "rogue",
-         "--tls-ca", cluster.spec.tls_ca, *extra],  # it trusts the router: only the token lacks
+         "--cluster-cert", spec.cluster_cert, "--cluster-key", spec.cluster_key,
+         "--cluster-ca", spec.cluster_ca, *extra],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert rogue.returncode != 0
     reason = "no cluster token" if credential == "none" else "wrong cluster token"
@@ -106,10 +116,14 @@ def test_a_worker_without_the_token_is_refused_and_never_placed(cluster, tmp_pat
 
 def test_the_workers_internal_rpcs_refuse_an_outsider(cluster):
     decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
-    with channel(decode.address) as ch:  # this test process holds no token
-        with pytest.raises(grpc.RpcError) as refused:
-            pb_grpc.DecodeWorkerStub(ch).Reserve(pb.ReserveRequest(
-                request_id="stolen", prompt_token_ids=[1, 2, 3]), timeout=10)
+    auth.configure(None, cluster.member_tls)  # a valid certificate, but no token
+    try:
+        with internal_channel(decode.address) as ch:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.DecodeWorkerStub(ch).Reserve(pb.ReserveRequest(
+                    request_id="stolen", prompt_token_ids=[1, 2, 3]), timeout=10)
+    finally:
+        auth.configure(None)
     assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     counted = scrape(decode.metrics_address)
     assert counted["pdserve_worker_rejections_total{code=UNAUTHENTICATED,"
@@ -122,9 +136,9 @@ def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cl
     decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
     before = next(w.free_blocks for w in cluster.status().workers if w.worker_id ==
                   decode.worker_id)
-    auth.configure(cluster.token)  # this test acts as a (compromised) cluster member
+    auth.configure(cluster.token, cluster.member_tls)  # a (compromised) cluster member
     try:
-        with channel(decode.address) as ch:
+        with internal_channel(decode.address) as ch:
             stub = pb_grpc.DecodeWorkerStub(ch)
             reserved = stub.Reserve(pb.ReserveRequest(
                 request_id="guarded", prompt_token_ids=list(range(1, 40)), lease_s=30,
@@ -142,3 +156,50 @@ def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cl
         auth.configure(None)
     wait_until(lambda: next(w.free_blocks for w in cluster.status().workers
                             if w.worker_id == decode.worker_id) == before, 10, "blocks back")
+
+
+def outsider_tls(tmp: Path, kind: str, cluster) -> ClusterTls | None:  # noqa: ANN001
+    """A caller's certificate: none, one of another CA, or an expired one of the cluster CA."""
+    if kind == "none":
+        return None
+    if kind == "foreign-ca":
+        certs = make_certs(tmp / "foreign")
+        return ClusterTls(str(certs["server.pem"]), str(certs["server.key"]), str(certs["ca.pem"]))
+    ca = Path(cluster.spec.cluster_ca)
+    past = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+    files = issue(tmp, "expired", ca, ca.with_suffix(".key"), ["127.0.0.1"], 5, start=past)
+    return ClusterTls(str(files["expired.pem"]), str(files["expired.key"]), str(ca))
+
+
+@pytest.mark.parametrize("kind", ["none", "foreign-ca", "expired"])
+def test_a_caller_without_a_valid_cluster_certificate_is_refused_at_the_handshake(
+        cluster, tmp_path, kind):
+    """Mutual TLS: the router's registry and the workers refuse the connection itself (gRPC
+    reports UNAVAILABLE: no call is made, so no status can be sent), even with the token; the
+    same calls with the cluster's certificate go through."""
+    decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
+    heartbeat = pb.HeartbeatRequest(worker_id="nobody")
+    credentials = {"outsider": outsider_tls(tmp_path, kind, cluster), "member": cluster.member_tls}
+    codes = {}
+    for who, tls in credentials.items():
+        auth.configure(cluster.token, tls)
+        try:
+            with internal_channel(cluster.registry_address, cluster.ca) as ch:
+                codes[who, "register"] = _code(pb_grpc.WorkerRegistryStub(ch).Heartbeat, heartbeat)
+            with internal_channel(decode.address, cluster.ca) as ch:
+                codes[who, "abort"] = _code(pb_grpc.DecodeWorkerStub(ch).Abort,
+                                            pb.AbortRequest(request_id="nothing"))
+        finally:
+            auth.configure(None)
+    assert codes == {("outsider", "register"): grpc.StatusCode.UNAVAILABLE,
+                     ("outsider", "abort"): grpc.StatusCode.UNAVAILABLE,
+                     ("member", "register"): grpc.StatusCode.OK,
+                     ("member", "abort"): grpc.StatusCode.OK}
+
+
+def _code(method, request) -> grpc.StatusCode:  # noqa: ANN001 - a stub method and its message
+    try:
+        method(request, timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK

@@ -39,3 +39,40 @@ def test_bad_tls_inputs_name_their_flag(tmp_path):
         ServerTls.load(str(tmp_path / "missing"), str(not_pem))
     with pytest.raises(ValueError, match="days >= 1"):
         make_certs(tmp_path / "none", ["127.0.0.1"], days=0)
+
+
+def test_the_certificate_serves_both_ends_and_issue_sets_its_validity(tmp_path):
+    import datetime
+
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from serving.certs import issue
+
+    paths = make_certs(tmp_path)
+    server = x509.load_pem_x509_certificate(paths["server.pem"].read_bytes())
+    usage = server.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert set(usage) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    start = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+    old = issue(tmp_path, "old", paths["ca.pem"], paths["ca.key"], ["127.0.0.1"], 2, start=start)
+    cert = x509.load_pem_x509_certificate(old["old.pem"].read_bytes())
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(paths["ca.pem"].read_bytes()))
+    assert cert.not_valid_after_utc == start + datetime.timedelta(days=2)
+
+
+def test_cluster_tls_takes_all_three_files_or_none(tmp_path):
+    from router.server import RouterOptions
+    from serving.tls import ClusterTls
+
+    paths = make_certs(tmp_path)
+    cert, key, ca = (str(paths[n]) for n in ("server.pem", "server.key", "ca.pem"))
+    assert ClusterTls.load(None, None, None) is None
+    tls = ClusterTls.load(cert, key, ca)
+    assert tls is not None and tls.channel_credentials() is not None
+    with pytest.raises(ValueError, match="--cluster-cert, --cluster-key and --cluster-ca go"):
+        ClusterTls.load(cert, key, None)
+    with pytest.raises(ValueError, match="--cluster-ca"):
+        ClusterTls.load(cert, key, str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="--cluster-cert needs --internal-port"):
+        RouterOptions(cluster_tls=tls)
+    with pytest.raises(ValueError, match="--internal-port must be in"):
+        RouterOptions(internal_port=70000)
