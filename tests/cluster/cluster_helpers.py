@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,9 +51,10 @@ def greedy_request(ids: list[int], max_tokens: int = MAX_TOKENS, rid: str = ""
 
 
 def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 180.0,
-                  root_ca: bytes | None = None) -> tuple[list[int], str, pb.GenerateResponse]:
+                  root_ca: bytes | None = None, progress: Callable[[int], None] | None = None
+                  ) -> tuple[list[int], str, pb.GenerateResponse]:
     """Token ids, text and the last message of one streamed generation (over TLS, trusting
-    `root_ca`, when given)."""
+    `root_ca`, when given); `progress` hears the count of tokens received after each message."""
     with channel(address, root_ca) as ch:
         tokens: list[int] = []
         text = ""
@@ -61,6 +63,8 @@ def stream_tokens(address: str, request: pb.GenerateRequest, timeout_s: float = 
             tokens.extend(part.token_ids)
             text += part.text
             last = part
+            if progress is not None:
+                progress(len(tokens))
         return tokens, text, last
 
 

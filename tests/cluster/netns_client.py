@@ -36,21 +36,10 @@ def generate(address: str, ids: list[int], max_tokens: int, progress: str | None
              timeout_s: float = 120.0) -> tuple[list[int], str]:
     """A streamed greedy generation: its tokens and finish reason. With `progress`, the count
     of tokens received so far is written to that file as they arrive."""
-    if progress is None:
-        tokens, _, last = stream_tokens(address, greedy_request(ids, max_tokens), timeout_s)
-        return tokens, pb.FinishReason.Name(last.finish_reason)
-    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-    from serving.grpc_server import channel
-
-    tokens: list[int] = []
-    reason = ""
-    with channel(address) as ch:
-        for part in pb_grpc.GenerationStub(ch).Generate(greedy_request(ids, max_tokens),
-                                                         timeout=timeout_s):
-            tokens.extend(part.token_ids)
-            reason = pb.FinishReason.Name(part.finish_reason)
-            Path(progress).write_text(str(len(tokens)))
-    return tokens, reason
+    tokens, _, last = stream_tokens(
+        address, greedy_request(ids, max_tokens), timeout_s,
+        progress=(lambda count: Path(progress).write_text(str(count))) if progress else None)
+    return tokens, pb.FinishReason.Name(last.finish_reason)
 
 
 def router_metric(address: str, name: str) -> float:
