@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--fused-kernels", action="store_true",
                    help="fused Triton element-wise kernels (CUDA; unproven, off by default)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay decode steps from CUDA graphs (CUDA; unproven, off by default)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "reference", "triton"])
 
@@ -46,7 +48,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             args.device, max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs, prefill_chunk_size=args.prefill_chunk_size),
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-        fused_kernels=args.fused_kernels,
+        fused_kernels=args.fused_kernels, cuda_graphs=args.cuda_graphs,
     )
 
 

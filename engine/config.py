@@ -250,6 +250,9 @@ class EngineConfig:
     # Residual + RMSNorm, RoPE and SiLU·up as fused Triton kernels (engine.models.fused). Off until
     # a GPU run proves it faster; on CPU it needs TRITON_INTERPRET=1 (tests).
     fused_kernels: bool = False
+    # Decode-only steps replay CUDA graphs captured at start per batch-size bucket
+    # (engine.decode_graphs). CUDA only; off until a GPU run proves it.
+    cuda_graphs: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -264,6 +267,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs device cuda[:N], got device {self.device!r}")
+        if self.cuda_graphs and self.attention_backend not in ("auto", "triton"):
+            raise ValueError(f"cuda_graphs needs attention_backend auto or triton, got "
+                             f"{self.attention_backend!r}")
         if self.scheduler is None:
             object.__setattr__(self, "scheduler", SchedulerConfig.for_device(self.device))
 

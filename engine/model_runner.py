@@ -17,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
     kv_bytes_per_block,
 )
+from engine.decode_graphs import DecodeGraphs, DecodeRows
 from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
 from engine.loader import load_weights
@@ -31,10 +32,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class PreparedStep:
     order: list[int]  # items[j] is SchedulerOutput.scheduled[order[j]]
     items: list[ScheduledRequest]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
+    input_ids: torch.Tensor | None  # None when the step replays a decode graph
+    positions: torch.Tensor | None
+    metadata: AttentionMetadata | None
     logits_rows: torch.Tensor
+    graph_bucket: int | None = None  # the decode graph this step replays (its rows are prepared)
+
+
+@dataclass
+class HostBatch:
+    """A step's ragged batch as host lists, before any tensor is built."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]
 
 
 @dataclass
@@ -159,8 +174,32 @@ class ModelRunner:
         self.kv_caches = self.kv_buffer.layers
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
         if self.attention.name == "triton" and self.device.type == "cuda":
             self._warm_up(model_config)
+        if config.cuda_graphs:
+            self.enable_decode_graphs(config.scheduler.max_num_seqs, max_model_len, capture=True)
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool,
+                             num_sms: int | None = None) -> None:
+        """Decode-only steps of up to `max_num_seqs` sequences replay per-bucket CUDA graphs
+        (engine.decode_graphs), captured now. `capture=False` runs the same static-buffer
+        forwards eagerly (tests without a GPU; `num_sms` then stands for the GPU's SM count in
+        the split-KV choice)."""
+        if self.attention.name != "triton":
+            raise ValueError(f"cuda_graphs needs the Triton attention backend, not "
+                             f"{self.attention.name!r}")
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                    rows: torch.Tensor) -> torch.Tensor:
+            return self.model.forward(ids, positions, self.kv_caches, md, self.attention, rows)
+
+        graphs = DecodeGraphs(forward, max_num_seqs, max_model_len, self.block_size,
+                              self.model.config.num_kv_heads, self.device, num_sms, capture)
+        graphs.capture_all()
+        self.graphs = graphs
 
     def _warm_up(self, model_config: ModelConfig) -> None:
         """Compile the attention kernels' variants now, not in the first requests."""
@@ -177,16 +216,32 @@ class ModelRunner:
         # Single-token decodes first: the attention backends batch them as one block.
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens != 1)
         items = [out.scheduled[i] for i in order]
-        input_ids, positions, md, logits_rows = self._prepare(items)
+        batch = self._host_batch(items)
+        rows = to_device(batch.logits_rows, torch.int64, self.device)
+        bucket = self._graph_bucket(batch)
+        if bucket is not None:
+            self.graphs.prepare(DecodeRows(batch.token_ids, batch.positions, batch.slots,
+                                           batch.seq_lens, batch.block_tables), bucket)
+            return PreparedStep(order, items, None, None, None, rows, graph_bucket=bucket)
+        input_ids, positions, md = self._tensors(batch)
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
-        rows = to_device(logits_rows, torch.int64, self.device)
         return PreparedStep(order, items, input_ids, positions, md, rows)
+
+    def _graph_bucket(self, batch: HostBatch) -> int | None:
+        """The decode graph a step can replay: decode-only (one token per sequence) and no
+        larger than the largest bucket; else None (eager)."""
+        if self.graphs is None or len(batch.token_ids) != len(batch.query_lens):
+            return None
+        return self.graphs.bucket(len(batch.query_lens))
 
     def run(self, step: PreparedStep) -> StepResult:
         """The forward pass and sampling; results in SchedulerOutput order."""
-        logits = self.model.forward(step.input_ids, step.positions, self.kv_caches, step.metadata,
-                                    self.attention, step.logits_rows)
+        if step.graph_bucket is not None:
+            logits = self.graphs.replay(step.graph_bucket)[step.logits_rows]
+        else:
+            logits = self.model.forward(step.input_ids, step.positions, self.kv_caches,
+                                        step.metadata, self.attention, step.logits_rows)
         sampling_items = [s for s in step.items if s.samples]
         batch = SamplingBatch([s.request.params for s in sampling_items],
                               [len(s.request.output_token_ids) for s in sampling_items])
@@ -200,39 +255,38 @@ class ModelRunner:
                 k += 1
         return StepResult(sampled, lps)
 
-    def _prepare(self, items: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _host_batch(self, items: list[ScheduledRequest]) -> HostBatch:
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, logits_rows = [], [], []
-        tables = []
+        batch = HostBatch([], [], [], [], [], [], [])
         for item in items:
             request = item.request
             blocks = request.block_ids
-            ids.extend(request.tokens_in(item.start, item.end))
+            batch.token_ids.extend(request.tokens_in(item.start, item.end))
             span = range(item.start, item.end)
-            positions.extend(span)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            query_lens.append(item.num_tokens)
-            seq_lens.append(item.end)
-            tables.append(blocks[: -(-item.end // bs)])
+            batch.positions.extend(span)
+            batch.slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            batch.query_lens.append(item.num_tokens)
+            batch.seq_lens.append(item.end)
+            batch.block_tables.append(blocks[: -(-item.end // bs)])
             if item.samples:
-                logits_rows.append(len(ids) - 1)
-        width = max(len(t) for t in tables)
-        table = [t + [0] * (width - len(t)) for t in tables]
+                batch.logits_rows.append(len(batch.token_ids) - 1)
+        return batch
+
+    def _tensors(self, batch: HostBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        width = max(len(t) for t in batch.block_tables)
+        table = [t + [0] * (width - len(t)) for t in batch.block_tables]
         dev = self.device
         starts = [0]
-        for n in query_lens:
+        for n in batch.query_lens:
             starts.append(starts[-1] + n)
         md = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64, dev),
+            slot_mapping=to_device(batch.slots, torch.int64, dev),
             block_table=to_device(table, torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
+            seq_lens=to_device(batch.seq_lens, torch.int32, dev),
             query_start_loc=to_device(starts, torch.int32, dev),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            query_lens_list=query_lens, seq_lens_list=seq_lens,
+            max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
+            query_lens_list=batch.query_lens, seq_lens_list=batch.seq_lens,
         )
-        return (to_device(ids, torch.int64, dev), to_device(positions, torch.int64, dev), md,
-                logits_rows)
+        return (to_device(batch.token_ids, torch.int64, dev),
+                to_device(batch.positions, torch.int64, dev), md)

@@ -47,6 +47,7 @@ class WorkerOptions:
     # piece on dist), so a long prompt's first token waits only for its last chunk's (issue 16).
     kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
+    cuda_graphs: bool = False  # CUDA: decode steps replay CUDA graphs (engine.decode_graphs)
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
@@ -70,6 +71,8 @@ class WorkerOptions:
                              f"{self.max_queued_requests}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graphs needs --device cuda[:N], got {self.device!r}")
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
                              f"{self.kv_transport!r}")
@@ -159,7 +162,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
             transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
             metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
             kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
-            gpu_memory_fraction=args.gpu_memory_fraction,
+            gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
             fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
             cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
             cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
@@ -185,3 +188,6 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                         help="CUDA: share of the GPU's total memory this worker may use (weights "
                              "+ activations + KV cache; the KV cache gets what is left)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="CUDA: replay decode steps from CUDA graphs captured at start "
+                             "(unproven on a GPU; off by default)")

@@ -81,7 +81,8 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
         queue_policy=options.queue_policy, queue_age_bound_s=options.queue_age_bound_s,
         prefill_chunk_size=options.chunk_size)
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
-                                  scheduler=scheduler, device=options.device))
+                                  scheduler=scheduler, device=options.device,
+                                  cuda_graphs=options.cuda_graphs))
 
 
 def exports_kv_cache(options: WorkerOptions) -> bool:

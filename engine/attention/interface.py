@@ -24,6 +24,9 @@ class AttentionMetadata:
     # Host-side copies, so CPU paths can plan without reading tensors back.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Split-KV count fixed by the caller (CUDA graphs: one per captured bucket); None lets the
+    # kernel choose from max_seq_len.
+    num_kv_splits: int | None = None
 
 
 def write_kv_cache(
@@ -56,9 +59,11 @@ class AttentionBackend:
 
     def __call__(self, *args: torch.Tensor,
                  new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 **kwargs: object) -> torch.Tensor:
+                 num_kv_splits: int | None = None, **kwargs: object) -> torch.Tensor:
         if self._takes_new_kv:
             kwargs["new_kv"] = new_kv
+        if num_kv_splits is not None:  # only the Triton kernel takes it (graphs need Triton)
+            kwargs["num_kv_splits"] = num_kv_splits
         return self._fn(*args, **kwargs)
 
 

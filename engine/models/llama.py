@@ -116,7 +116,8 @@ class DecoderLayer:
         attention.write_kv(k, v, k_cache, v_cache, md.slot_mapping)
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
-                         max_seq_len=md.max_seq_len, new_kv=(k, v))
+                         max_seq_len=md.max_seq_len, new_kv=(k, v),
+                         num_kv_splits=md.num_kv_splits)
         return attn.reshape(q.shape[0], self.q_size)
 
     def forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
