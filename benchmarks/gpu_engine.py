@@ -1,0 +1,298 @@
+"""GPU engine speed (issue 15): ours eager, ours with CUDA graphs, ours with graphs + fused
+element-wise kernels, beside transformers' `generate` (static batches of 32) and `generate_batch`
+(its continuous batching), on random-weight checkpoints of three model shapes, in one run; and
+the GPU busy share of each of ours (kernel time / wall time under torch.profiler).
+
+    python -m benchmarks.gpu_engine --tokenizer DIR [--shapes smol135m,llama1b[,llama8b]]
+        [--requests 256] [--runs 2] [--systems ...] [--json OUT.json]
+
+The workload is `offline_mixed.jsonl` repeated to --requests, each prompt given a distinct first
+token (no request shares a cached prefix with another), greedy, EOS ignored: 256 requests are
+71,208 prompt + 18,688 output tokens. Ours runs with 256 sequences and an 8,192-token budget.
+tok/s counts each request's own output tokens over the whole workload's wall time, except
+generate_batch, which runs every request to the longest max_tokens (its tok/s counts what it
+generated). `first_run_s` is ours' first pass (where any compilation after start would show).
+
+`--device cpu --shapes tiny --requests 4` is a smoke run (the unit test's); no busy share there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import DEFAULT_WORKLOAD
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "smol135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
+    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}
+VOCAB = 49152  # the default tokenizer's
+OURS = {"ours_eager": {}, "ours_graphs": {"cuda_graphs": True},
+        "ours_graphs_fused": {"cuda_graphs": True, "fused_kernels": True}}
+PEERS = ("hf_static", "hf_generate_batch")
+STATIC_BATCH = 32
+
+
+def write_checkpoint(shape: str, path: Path, tokenizer_dir: Path, device: str) -> Path:
+    """Random bf16 weights (std 0.02, norms 1) in HF Llama layout, written layer by layer."""
+    from safetensors.torch import save_file
+
+    if (path / "config.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    s = SHAPES[shape]
+    h, inter = s["hidden_size"], s["intermediate_size"]
+    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen, device=device) * 0.02).bfloat16().cpu()
+
+    ones = torch.ones(h, dtype=torch.bfloat16)
+    index: dict[str, str] = {}
+    shards = [{"model.embed_tokens.weight": rand(VOCAB, h), "model.norm.weight": ones}]
+    if not s["tie_word_embeddings"]:
+        shards[0]["lm_head.weight"] = rand(VOCAB, h)
+    for layer in range(s["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shards.append({p + "self_attn.q_proj.weight": rand(h, h),
+                       p + "self_attn.k_proj.weight": rand(kv, h),
+                       p + "self_attn.v_proj.weight": rand(kv, h),
+                       p + "self_attn.o_proj.weight": rand(h, h),
+                       p + "mlp.gate_proj.weight": rand(inter, h),
+                       p + "mlp.up_proj.weight": rand(inter, h),
+                       p + "mlp.down_proj.weight": rand(h, inter),
+                       p + "input_layernorm.weight": ones.clone(),
+                       p + "post_attention_layernorm.weight": ones.clone()})
+    for i, shard in enumerate(shards):
+        name = f"model-{i:05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(shard, name))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}))
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
+                  max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  bos_token_id=1, eos_token_id=2, hidden_act="silu", torch_dtype="bfloat16", **s)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def workload(path: str, requests: int, max_tokens_cap: int | None = None
+             ) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in Path(path).open()]
+    cap = max_tokens_cap or max(r["max_tokens"] for r in rows)
+    return [{"prompt_token_ids": [1000 + i] + rows[i % len(rows)]["prompt_token_ids"],
+             "max_tokens": min(cap, rows[i % len(rows)]["max_tokens"])} for i in range(requests)]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_ours(name: str, model_dir: Path, rows: list[dict[str, Any]], args: argparse.Namespace
+             ) -> dict[str, Any]:
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    config = EngineConfig(model=str(model_dir), dtype=args.dtype, device=args.device,
+                          cache=CacheConfig(kv_cache_gb=0.25 if args.device == "cpu" else None),
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                                    max_num_batched_tokens=args.budget),
+                          **OURS[name])
+    start = time.perf_counter()
+    llm = LLM(config=config)
+    result: dict[str, Any] = {"start_s": time.perf_counter() - start}
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in rows]
+    prompts = [r["prompt_token_ids"] for r in rows]
+    seconds = []
+    for run in range(args.runs + 1):  # the first pass is reported apart
+        sync(args.device)
+        t = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        sync(args.device)
+        seconds.append(time.perf_counter() - t)
+        if run == 0:
+            result["first_tokens"] = [o.token_ids[:8] for o in outputs[:4]]
+    tokens = sum(r["max_tokens"] for r in rows)
+    result.update(first_run_s=seconds[0], seconds=seconds[1:],
+                  tok_s=tokens / statistics.median(seconds[1:]))
+    if args.device.startswith("cuda"):
+        result["gpu_busy_share"] = gpu_busy_share(llm, prompts[:128], SamplingParams(
+            temperature=0, max_tokens=64, ignore_eos=True))
+    del llm
+    return result
+
+
+def gpu_busy_share(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, float]:
+    """The union of GPU kernel intervals over the wall time of one profiled pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync("cuda")
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        sync("cuda")
+        wall_us = (time.perf_counter() - t) * 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return {"busy_share": busy / wall_us, "kernels": len(spans), "wall_s": wall_us / 1e6}
+
+
+def load_hf(model_dir: Path, args: argparse.Namespace, attn: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                     attn_implementation=attn)
+    except (ValueError, ImportError):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(args.device).eval()
+
+
+def run_hf_static(model_dir: Path, rows: list[dict[str, Any]], args: argparse.Namespace
+                  ) -> dict[str, Any]:
+    """Static batches of 32 in workload order, left-padded, each to its longest max_tokens."""
+    from transformers import GenerationConfig
+
+    model = load_hf(model_dir, args, "sdpa")
+
+    def batch(part: list[dict[str, Any]]) -> None:
+        width = max(len(r["prompt_token_ids"]) for r in part)
+        ids = torch.full((len(part), width), 2, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(part):
+            n = len(r["prompt_token_ids"])
+            ids[j, width - n:] = torch.tensor(r["prompt_token_ids"])
+            mask[j, width - n:] = 1
+        config = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in part),
+                                  do_sample=False, eos_token_id=None, pad_token_id=2)
+        with torch.inference_mode():
+            model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
+                           generation_config=config)
+
+    batch(rows[:2])  # warm-up
+    sync(args.device)
+    t = time.perf_counter()
+    for i in range(0, len(rows), STATIC_BATCH):
+        batch(rows[i:i + STATIC_BATCH])
+    sync(args.device)
+    seconds = time.perf_counter() - t
+    return {"seconds": [seconds], "tok_s": sum(r["max_tokens"] for r in rows) / seconds,
+            "batch": STATIC_BATCH}
+
+
+def run_hf_generate_batch(model_dir: Path, rows: list[dict[str, Any]], args: argparse.Namespace
+                          ) -> dict[str, Any]:
+    from transformers import GenerationConfig
+
+    model = load_hf(model_dir, args, "sdpa_paged")
+    config = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in rows), do_sample=False,
+                              eos_token_id=-1, pad_token_id=2)
+    prompts = [r["prompt_token_ids"] for r in rows]
+    model.generate_batch(inputs=prompts[:2], generation_config=config)  # warm-up
+    sync(args.device)
+    t = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=config)
+    sync(args.device)
+    seconds = time.perf_counter() - t
+    generated = sum(len(o.generated_tokens) for o in out.values())
+    return {"seconds": [seconds], "tok_s": generated / seconds, "generated": generated}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", type=Path, required=True,
+                   help="a folder with the default model's tokenizer.json / tokenizer_config.json")
+    p.add_argument("--shapes", default="smol135m,llama1b")
+    p.add_argument("--systems", default=",".join([*OURS, *PEERS]))
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--runs", type=int, default=2, help="timed passes of ours after the first")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="quick runs: cap max_tokens")
+    p.add_argument("--checkpoints", type=Path, default=Path("/tmp/pdserve-gpu-ckpts"))
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    bad = [s for s in args.shapes.split(",") if s not in SHAPES]
+    bad += [s for s in args.systems.split(",") if s not in (*OURS, *PEERS)]
+    if bad or args.requests < 1 or args.runs < 1:
+        p.error(f"unknown shapes/systems {bad}, or --requests/--runs below 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    rows = workload(args.workload, args.requests, args.max_tokens_cap)
+    device = args.device.split(":")[0]
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()
+                               if device == "cuda" else "cpu", "requests": len(rows)}
+    runners = {"hf_static": run_hf_static, "hf_generate_batch": run_hf_generate_batch}
+    for shape in args.shapes.split(","):
+        model_dir = write_checkpoint(shape, args.checkpoints / shape, args.tokenizer, device)
+        for system in args.systems.split(","):
+            run = runners.get(system)
+            result = run(model_dir, rows, args) if run else run_ours(system, model_dir, rows,
+                                                                     args)
+            results[f"{shape}/{system}"] = result
+            print(f"[gpu_engine] {shape} {system}: {result['tok_s']:,.0f} tok/s", flush=True)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    print(markdown(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One row per shape and system: tok/s, its ratio to ours_eager of the same run, the busy
+    share, whether ours' first tokens equal ours_eager's, and ours' first-pass seconds."""
+    lines = [f"Device: {results['device']}; {results['requests']} requests.", "",
+             "| shape | system | tok/s | / ours_eager | GPU busy | same tokens as eager | "
+             "first pass s |", "|---|---|---|---|---|---|---|"]
+    for key, r in results.items():
+        if "/" not in key:
+            continue
+        shape, system = key.split("/")
+        eager = results.get(f"{shape}/ours_eager")
+        ratio = f"{r['tok_s'] / eager['tok_s']:.2f}x" if eager else "-"
+        busy = r.get("gpu_busy_share", {}).get("busy_share")
+        same = "-" if not eager or "first_tokens" not in r else \
+            str(r["first_tokens"] == eager["first_tokens"])
+        lines.append(f"| {shape} | {system} | {r['tok_s']:,.0f} | {ratio} | "
+                     f"{'-' if busy is None else f'{busy:.0%}'} | {same} | "
+                     f"{r.get('first_run_s', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The GPU engine benchmark runs end to end on CPU (a smoke run on a tiny random shape), so a GPU
+session spends its device time measuring, not debugging the script."""
+
+from __future__ import annotations
+
+from benchmarks import gpu_engine
+
+
+def test_smoke_run_on_cpu_writes_a_row_per_system(tmp_path, default_model_dir):
+    results = gpu_engine.main([
+        "--device", "cpu", "--shapes", "tiny", "--requests", "2", "--runs", "1",
+        "--max-tokens-cap", "8", "--dtype", "float32", "--systems", "ours_eager,hf_static",
+        "--tokenizer", str(default_model_dir), "--checkpoints", str(tmp_path),
+        "--json", str(tmp_path / "out.json")])
+    assert results["tiny/ours_eager"]["tok_s"] > 0 and results["tiny/hf_static"]["tok_s"] > 0
+    assert len(results["tiny/ours_eager"]["seconds"]) == 1
+    assert (tmp_path / "out.json").is_file()
+    table = gpu_engine.markdown(results)
+    assert "| tiny | ours_eager |" in table and "| tiny | hf_static |" in table
