@@ -34,6 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fused Triton element-wise kernels (CUDA; unproven, off by default)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="replay decode steps from CUDA graphs (CUDA; unproven, off by default)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while step N runs (GPU; unproven, off by default)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "reference", "triton"])
 
@@ -49,6 +51,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, prefill_chunk_size=args.prefill_chunk_size),
         max_model_len=args.max_model_len, attention_backend=args.attention_backend,
         fused_kernels=args.fused_kernels, cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
     )
 
 

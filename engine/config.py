@@ -253,6 +253,9 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs captured at start per batch-size bucket
     # (engine.decode_graphs). CUDA only; off until a GPU run proves it.
     cuda_graphs: bool = False
+    # Schedule and prepare step N+1 while step N runs on the device (LLMEngine._step_async):
+    # same outputs, the host's work off the GPU's critical path. Off until a GPU run proves it.
+    async_scheduling: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, default_dtype
 from engine.loader import resolve_model_path
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import Request, SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 
@@ -57,6 +57,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self._ids = itertools.count()
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
 
     def _max_model_len(self) -> int:
         limits = [self.model_config.max_position_embeddings]
@@ -165,19 +166,45 @@ class LLMEngine:
         self.block_manager.free(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling:
+            return self._step_async()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        now = time.monotonic()
-        for scheduled in out.scheduled:
-            if scheduled.request.first_scheduled_time is None:
-                scheduled.request.first_scheduled_time = now
+        _note_first_scheduled(out)
         result = self.runner.execute(out)
         updates = self.scheduler.update(out, result.sampled, result.logprobs)
+        return [self._from_update(u) for u in updates]
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: schedule and launch step N+1 as if step N were done, then read step
+        N and apply it, so the host's scheduling and batch preparation run while the device
+        computes. A request that step N finishes loses step N+1's row (and keeps its blocks
+        until that step is done); outputs are those of `step`, each one call later."""
+        previous, self._in_flight = self._in_flight, None
+        try:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                self.scheduler.in_flight = set()
+            else:
+                _note_first_scheduled(out)
+                self._in_flight = (out, self.runner.launch(out, previous and previous[1]))
+                self.scheduler.mark_launched(out)
+            if previous is None:
+                return []
+            result = self.runner.collect(previous[1])
+        except Exception:  # the caller fails the requests: none may keep blocks held
+            self._in_flight = None
+            self.scheduler.in_flight = set()
+            self.scheduler.release_held()
+            raise
+        self.scheduler.release_held()  # step N is done: nothing writes their blocks any more
+        updates = self.scheduler.update(previous[0], result.sampled, result.logprobs,
+                                        computed_at_launch=True)
         return [self._from_update(u) for u in updates]
 
     def _from_update(self, update: RequestUpdate) -> RequestOutput:
@@ -205,3 +232,10 @@ class LLMEngine:
             queue_s=None if request.first_scheduled_time is None
             else request.first_scheduled_time - request.arrival_time,
         )
+
+
+def _note_first_scheduled(out: SchedulerOutput) -> None:
+    now = time.monotonic()
+    for scheduled in out.scheduled:
+        if scheduled.request.first_scheduled_time is None:
+            scheduled.request.first_scheduled_time = now

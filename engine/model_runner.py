@@ -22,8 +22,9 @@ from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
-from engine.sampler import Sampler, SamplingBatch
+from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_inputs import HostBatch, batch_tensors, host_batch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -40,16 +41,16 @@ class PreparedStep:
 
 
 @dataclass
-class HostBatch:
-    """A step's ragged batch as host lists, before any tensor is built."""
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `collect` reads it."""
 
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    logits_rows: list[int]
+    step: PreparedStep
+    samples: DeviceSamples | None  # None when no request samples this step
+
+    def sample_rows(self) -> dict[str, int]:
+        """request id -> its row in `samples.tokens`."""
+        sampling = [s for s in self.step.items if s.samples]
+        return {s.request.request_id: k for k, s in enumerate(sampling)}
 
 
 @dataclass
@@ -211,22 +212,56 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.run(self.prepare_inputs(out))
 
-    def prepare_inputs(self, out: SchedulerOutput) -> PreparedStep:
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Queue a step's forward and sampling without reading anything back (async
+        scheduling); tokens still pending from `previous` are taken on the device."""
+        step = self.prepare_inputs(out, previous)
+        return LaunchedStep(step, self._forward_and_sample(step))
+
+    def collect(self, launched: LaunchedStep) -> StepResult:
+        """The step's one host read; results in SchedulerOutput order."""
+        tokens, logprobs = launched.samples.read() if launched.samples else ([], [])
+        step = launched.step
+        sampled: list[int | None] = [None] * len(step.items)
+        lps: list[dict[int, float] | None] = [None] * len(step.items)
+        k = 0
+        for pos, item in zip(step.order, step.items):
+            if item.samples:
+                sampled[pos], lps[pos] = tokens[k], logprobs[k]
+                k += 1
+        return StepResult(sampled, lps)
+
+    def prepare_inputs(self, out: SchedulerOutput, previous: LaunchedStep | None = None
+                       ) -> PreparedStep:
         """Host-side batch preparation: the ragged batch's tensors and the attention plan."""
         # Single-token decodes first: the attention backends batch them as one block.
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens != 1)
         items = [out.scheduled[i] for i in order]
-        batch = self._host_batch(items)
+        batch = host_batch(items, self.block_size)
         rows = to_device(batch.logits_rows, torch.int64, self.device)
         bucket = self._graph_bucket(batch)
         if bucket is not None:
             self.graphs.prepare(DecodeRows(batch.token_ids, batch.positions, batch.slots,
                                            batch.seq_lens, batch.block_tables), bucket)
+            self._fill_pending(self.graphs.inputs.token_ids, batch, previous)
             return PreparedStep(order, items, None, None, None, rows, graph_bucket=bucket)
-        input_ids, positions, md = self._tensors(batch)
+        input_ids, positions, md = batch_tensors(batch, self.device)
+        self._fill_pending(input_ids, batch, previous)
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
         return PreparedStep(order, items, input_ids, positions, md, rows)
+
+    def _fill_pending(self, input_ids: torch.Tensor, batch: HostBatch,
+                      previous: LaunchedStep | None) -> None:
+        """Copy tokens the previous step sampled, still on the device, into this step's ids."""
+        if not batch.pending:
+            return
+        if previous is None or previous.samples is None:
+            raise RuntimeError("a pending token without the step that samples it")
+        source = previous.sample_rows()
+        dst = to_device([row for row, _ in batch.pending], torch.int64, self.device)
+        src = to_device([source[rid] for _, rid in batch.pending], torch.int64, self.device)
+        input_ids.index_copy_(0, dst, previous.samples.tokens.index_select(0, src))
 
     def _graph_bucket(self, batch: HostBatch) -> int | None:
         """The decode graph a step can replay: decode-only (one token per sequence) and no
@@ -237,56 +272,17 @@ class ModelRunner:
 
     def run(self, step: PreparedStep) -> StepResult:
         """The forward pass and sampling; results in SchedulerOutput order."""
+        return self.collect(LaunchedStep(step, self._forward_and_sample(step)))
+
+    def _forward_and_sample(self, step: PreparedStep) -> DeviceSamples | None:
         if step.graph_bucket is not None:
             logits = self.graphs.replay(step.graph_bucket)[step.logits_rows]
         else:
             logits = self.model.forward(step.input_ids, step.positions, self.kv_caches,
                                         step.metadata, self.attention, step.logits_rows)
         sampling_items = [s for s in step.items if s.samples]
+        if not sampling_items:
+            return None
         batch = SamplingBatch([s.request.params for s in sampling_items],
-                              [len(s.request.output_token_ids) for s in sampling_items])
-        tokens, logprobs = self.sampler(logits, batch) if sampling_items else ([], [])
-        sampled: list[int | None] = [None] * len(step.items)
-        lps: list[dict[int, float] | None] = [None] * len(step.items)
-        k = 0
-        for pos, item in zip(step.order, step.items):
-            if item.samples:
-                sampled[pos], lps[pos] = tokens[k], logprobs[k]
-                k += 1
-        return StepResult(sampled, lps)
-
-    def _host_batch(self, items: list[ScheduledRequest]) -> HostBatch:
-        bs = self.block_size
-        batch = HostBatch([], [], [], [], [], [], [])
-        for item in items:
-            request = item.request
-            blocks = request.block_ids
-            batch.token_ids.extend(request.tokens_in(item.start, item.end))
-            span = range(item.start, item.end)
-            batch.positions.extend(span)
-            batch.slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            batch.query_lens.append(item.num_tokens)
-            batch.seq_lens.append(item.end)
-            batch.block_tables.append(blocks[: -(-item.end // bs)])
-            if item.samples:
-                batch.logits_rows.append(len(batch.token_ids) - 1)
-        return batch
-
-    def _tensors(self, batch: HostBatch
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        width = max(len(t) for t in batch.block_tables)
-        table = [t + [0] * (width - len(t)) for t in batch.block_tables]
-        dev = self.device
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
-        md = AttentionMetadata(
-            slot_mapping=to_device(batch.slots, torch.int64, dev),
-            block_table=to_device(table, torch.int32, dev),
-            seq_lens=to_device(batch.seq_lens, torch.int32, dev),
-            query_start_loc=to_device(starts, torch.int32, dev),
-            max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
-            query_lens_list=batch.query_lens, seq_lens_list=batch.seq_lens,
-        )
-        return (to_device(batch.token_ids, torch.int64, dev),
-                to_device(batch.positions, torch.int64, dev), md)
+                              [s.request.num_output_tokens for s in sampling_items])
+        return self.sampler.sample(logits, batch)

@@ -112,6 +112,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still running on the device, not yet appended (async scheduling:
+    # the next step is scheduled before they are read; its inputs take them on the device).
+    num_pending: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
@@ -129,7 +132,17 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Every token the request has, the pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, the pending ones included (seeds follow this index)."""
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -152,7 +165,10 @@ class Request:
         return self.status.finished
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> str:
-        """Record a sampled token; return the text it completes ("" while a character is split)."""
+        """Record a sampled token (a pending one, if any, first); return the text it completes
+        ("" while a character is split)."""
+        if self.num_pending:
+            self.num_pending -= 1
         if not self.output_token_ids:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
@@ -183,7 +199,8 @@ class Request:
             return self._finish_with(FinishReason.STOP, token)
         if p.stop and new_text and self._truncate_at_stop_string(len(new_text)):
             return True
-        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        if (len(self.output_token_ids) >= p.max_tokens
+                or self.num_known_tokens >= self.max_model_len):
             return self._finish_with(FinishReason.LENGTH, None)
         return False
 

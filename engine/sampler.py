@@ -33,20 +33,51 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
 
+@dataclass
+class DeviceSamples:
+    """A step's sampled tokens still on the device: `tokens` [n] int64 (a later step may read
+    them on the device), and what the host reads once — the tokens, or the packed tokens and
+    logprobs — copied towards pinned host memory without waiting (CUDA), with an event to wait
+    on."""
+
+    tokens: torch.Tensor
+    wanted: list[int | None]
+    _host: torch.Tensor
+    _ready: torch.cuda.Event | None = None
+
+    def read(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """The step's one host read: waits for this step's sampling only, not later work."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        if all(w is None for w in self.wanted):
+            return self._host.tolist(), [None] * len(self.wanted)
+        return _unpack(self._host, len(self.wanted), self.wanted)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """`logits` [n, vocab] float32 → one token per row and, where asked, its logprobs.
         Everything is computed on the logits' device; the host reads it once."""
+        return self.sample(logits, batch).read()
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
+        """Sample on the device and start the copy the host will read; nothing waits here."""
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
             tokens = self._sample_random(logits, batch, greedy_tokens)
         wanted = [p.logprobs for p in batch.params]
-        if all(w is None for w in wanted):
-            return tokens.tolist(), [None] * len(wanted)
-        return _unpack(_with_logprobs(logits, tokens, wanted), len(wanted), wanted)
+        packed = tokens if all(w is None for w in wanted) else \
+            _with_logprobs(logits, tokens, wanted)
+        if packed.device.type != "cuda":
+            return DeviceSamples(tokens, wanted, packed)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return DeviceSamples(tokens, wanted, host, ready)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch,
                        greedy_tokens: torch.Tensor) -> torch.Tensor:

@@ -76,6 +76,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Async scheduling: the requests of the step still running on the device. One that
+        # finishes meanwhile keeps its blocks until that step is done (`release_held`): the
+        # step may still write its KV, and freed blocks could go to a peer's write at once.
+        self.in_flight: set[str] = set()
+        self._held: list[Request] = []
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -259,26 +264,51 @@ class Scheduler:
         self.num_preemptions += 1
 
     # ---- update --------------------------------------------------------------------------
+    def mark_launched(self, out: SchedulerOutput) -> None:
+        """Async scheduling: the step runs on the device, so the next one is scheduled now as if
+        it were done — its positions computed, its sampled tokens pending."""
+        for item in out.scheduled:
+            item.request.num_computed_tokens = item.end
+            item.request.num_pending += item.samples
+        self.in_flight = {item.request.request_id for item in out.scheduled}
+
+    @property
+    def held_requests(self) -> list[Request]:
+        """Finished requests whose blocks a step in flight still holds."""
+        return list(self._held)
+
+    def release_held(self) -> None:
+        """Free the blocks of finished requests that no step in flight still holds."""
+        held, self._held = self._held, []
+        for request in held:
+            self._free(request)
+
     def update(
         self,
         out: SchedulerOutput,
         sampled: Sequence[int | None],
         logprobs: Sequence[dict[int, float] | None] | None = None,
+        computed_at_launch: bool = False,
     ) -> list[RequestUpdate]:
         """Advance each scheduled request by its step; `sampled[i]` is the token drawn for
         `out.scheduled[i]` (None where that step did not reach the last token). Finished requests
-        free their blocks here, in the same step."""
+        free their blocks here, in the same step. With `computed_at_launch` (async scheduling),
+        `mark_launched` already advanced the positions, possibly past this step's."""
         updates: list[RequestUpdate] = []
         for i, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:  # aborted between schedule and update
                 continue
-            request.num_computed_tokens = item.end
-            self.block_manager.cache_full_blocks(request)
+            if not computed_at_launch:
+                request.num_computed_tokens = item.end
             token = sampled[i]
+            if token is not None:
+                text = request.append_token(token, logprobs[i] if logprobs else None)
+            # After the append: under async scheduling the computed positions may already
+            # include this token's (the next step is running), and block keys need its id.
+            self.block_manager.cache_full_blocks(request)
             if token is None:
                 continue
-            text = request.append_token(token, logprobs[i] if logprobs else None)
             stop = request.check_stop(text)
             if stop:
                 self.finish(request, request.finish_reason or FinishReason.STOP)
@@ -290,11 +320,18 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        if request.request_id in self.in_flight:
+            self._held.append(request)
+        else:
+            self._free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finished_time = self.clock()
         self.requests.pop(request.request_id, None)
+
+    def _free(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_pending = 0
 
     def all_requests(self) -> Iterable[Request]:
         return self.requests.values()

@@ -228,10 +228,15 @@ def _launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor,
             group: int, block_q: int, upcast: bool) -> None:
     num_tokens, num_heads, head_dim = q.shape
     dim_p2 = max(16, triton.next_power_of_2(head_dim))
-    if splits > 1:  # partial rows no program writes (padding tokens) must weigh nothing
-        part_m = torch.full((splits, num_tokens, num_heads), float("-inf"), device=q.device)
-        part_l = torch.zeros_like(part_m)
-        part_o = torch.zeros((splits, num_tokens, num_heads, dim_p2), device=q.device)
+    if splits > 1:
+        # Every (split, token, head) row is written by exactly one program — a split that sees
+        # no key writes max -inf and sum 0 — so the partials need no fill kernels (3 launches per
+        # layer saved). Under the interpreter they start as NaN: a row left unwritten would show.
+        empty = torch.full if interpreting() else torch.empty
+        fill = {"fill_value": float("nan")} if interpreting() else {}
+        part_m = empty((splits, num_tokens, num_heads), device=q.device, **fill)
+        part_l = empty((splits, num_tokens, num_heads), device=q.device, **fill)
+        part_o = empty((splits, num_tokens, num_heads, dim_p2), device=q.device, **fill)
     else:
         part_m = part_l = part_o = out  # not touched
     _attention_kernel[grid](

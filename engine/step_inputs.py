@@ -1,0 +1,74 @@
+"""A scheduled step as a ragged batch: host lists first, then the tensors the model reads.
+
+Plain lists are built once per step; the tensors reach the device through pinned memory
+(engine.device_tensors). Under async scheduling a request's last token may still be on the
+device (sampled by the step before, not read yet): its row gets a placeholder here, listed in
+`pending`, and the model runner fills it from that step's sampled tokens on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.device_tensors import to_device
+from engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class HostBatch:
+    """A step's ragged batch as host lists, before any tensor is built."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    # (row in token_ids, request id) of tokens not read from the device yet
+    pending: list[tuple[int, str]] = field(default_factory=list)
+
+
+def host_batch(items: list[ScheduledRequest], block_size: int) -> HostBatch:
+    bs = block_size
+    batch = HostBatch()
+    for item in items:
+        request = item.request
+        blocks = request.block_ids
+        known = request.tokens_in(item.start, min(item.end, request.num_known_tokens))
+        for _ in range(item.num_tokens - len(known)):  # only the last token can be pending
+            batch.pending.append((len(batch.token_ids) + len(known), request.request_id))
+            known.append(0)
+        batch.token_ids.extend(known)
+        span = range(item.start, item.end)
+        batch.positions.extend(span)
+        batch.slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+        batch.query_lens.append(item.num_tokens)
+        batch.seq_lens.append(item.end)
+        batch.block_tables.append(blocks[: -(-item.end // bs)])
+        if item.samples:
+            batch.logits_rows.append(len(batch.token_ids) - 1)
+    return batch
+
+
+def batch_tensors(batch: HostBatch, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Token ids, positions and the attention metadata of an eager (not graphed) step."""
+    width = max(len(t) for t in batch.block_tables)
+    table = [t + [0] * (width - len(t)) for t in batch.block_tables]
+    starts = [0]
+    for n in batch.query_lens:
+        starts.append(starts[-1] + n)
+    md = AttentionMetadata(
+        slot_mapping=to_device(batch.slots, torch.int64, device),
+        block_table=to_device(table, torch.int32, device),
+        seq_lens=to_device(batch.seq_lens, torch.int32, device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
+        query_lens_list=batch.query_lens, seq_lens_list=batch.seq_lens,
+    )
+    return (to_device(batch.token_ids, torch.int64, device),
+            to_device(batch.positions, torch.int64, device), md)
