@@ -124,6 +124,9 @@ def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--cuda-graphs", action="store_true",
                         help="cuda: workers replay decode steps from CUDA graphs (unproven on a "
                              "GPU; off by default)")
+    launch.add_argument("--async-scheduling", action="store_true",
+                        help="decode/colocated workers schedule step N+1 while step N runs "
+                             "(unproven on a GPU; off by default)")
     launch.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
                         help="how KV moves from prefill to decode workers (auto: shared on one "
                              "host, else dist)")
@@ -171,8 +174,6 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
     from router.gpus import visible_gpus
     from router.launch import ClusterSpec
 
-    if args.cuda_graphs and args.device != "cuda":
-        raise ValueError("--cuda-graphs needs --device cuda")
     colocated = args.colocated
     gpus = args.gpus
     if args.device == "cuda" and gpus is None:
@@ -184,7 +185,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        device=args.device, gpus=gpus,
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
-                       worker_args=("--cuda-graphs",) if args.cuda_graphs else (),
+                       cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
                        http_port=args.http_port, cluster_token_file=args.cluster_token_file,
                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                        cluster_cert=args.cluster_cert, cluster_key=args.cluster_key,

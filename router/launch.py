@@ -60,6 +60,8 @@ class ClusterSpec:
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
+    cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
+    async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -72,6 +74,8 @@ class ClusterSpec:
             raise ValueError("--cluster-cert, --cluster-key and --cluster-ca go together")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError("--cuda-graphs needs --device cuda")
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
                              f"{self.kv_transport!r}")
@@ -173,7 +177,7 @@ class LocalCluster:
         return name, [module, "--router", self.registry_address or self.address,
                       "--host", self.spec.host,
                       "--threads", str(self.spec.threads), "--model", self.spec.model,
-                      "--worker-id", name, *extra, *self._engine_args(), *self._gpu_args(name),
+                      "--worker-id", name, *extra, *self._engine_args(role), *self._gpu_args(name),
                       *self._token_args(), *self._tls_args(False), *self.spec.worker_args]
 
     def _tls_args(self, router: bool) -> list[str]:
@@ -223,13 +227,18 @@ class LocalCluster:
         proc.send_signal(sig)
         return proc
 
-    def _engine_args(self) -> list[str]:
+    def _engine_args(self, role: str) -> list[str]:
+        spec = self.spec
         args = []
-        if self.spec.dtype:
-            args += ["--dtype", self.spec.dtype]
-        if self.spec.kv_cache_gb:
-            args += ["--kv-cache-gb", str(self.spec.kv_cache_gb)]
-        return [*args, "--kv-transport", self.spec.kv_transport]
+        if spec.dtype:
+            args += ["--dtype", spec.dtype]
+        if spec.kv_cache_gb:
+            args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
+        if spec.cuda_graphs:
+            args.append("--cuda-graphs")
+        if spec.async_scheduling and role != "prefill":
+            args.append("--async-scheduling")
+        return [*args, "--kv-transport", spec.kv_transport]
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.threads), PYTHONUNBUFFERED="1")

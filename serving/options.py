@@ -48,6 +48,9 @@ class WorkerOptions:
     kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
     cuda_graphs: bool = False  # CUDA: decode steps replay CUDA graphs (engine.decode_graphs)
+    # Schedule step N+1 while step N runs (engine async scheduling); decode and colocated only:
+    # a prefill worker hands a request off right after the step that samples its first token.
+    async_scheduling: bool = False
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
@@ -71,6 +74,9 @@ class WorkerOptions:
                              f"{self.max_queued_requests}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.async_scheduling and self.role == "prefill":
+            raise ValueError("--async-scheduling is for decode and colocated workers, not "
+                             "prefill workers")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"--cuda-graphs needs --device cuda[:N], got {self.device!r}")
         if self.kv_transport not in ("auto", "shared", "dist"):
@@ -163,6 +169,7 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
             metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
             kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
             gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
+            async_scheduling=args.async_scheduling,
             fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
             cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
             cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
@@ -191,3 +198,6 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="CUDA: replay decode steps from CUDA graphs captured at start "
                              "(unproven on a GPU; off by default)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="decode/colocated: schedule and prepare step N+1 while step N runs "
+                             "(same outputs; for GPUs, unproven there; off by default)")

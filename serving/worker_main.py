@@ -82,7 +82,8 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
         prefill_chunk_size=options.chunk_size)
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                                   scheduler=scheduler, device=options.device,
-                                  cuda_graphs=options.cuda_graphs))
+                                  cuda_graphs=options.cuda_graphs,
+                                  async_scheduling=options.async_scheduling))
 
 
 def exports_kv_cache(options: WorkerOptions) -> bool:

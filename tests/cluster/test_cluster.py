@@ -45,21 +45,24 @@ def reference(prompts) -> list[list[int]]:
 
 
 # (transport, prefill workers, decode workers, router placement flags, secure mode: a cluster
-# token, TLS on the router, transfer secrets checked — the whole module runs on it once)
-CLUSTERS = [("shared", 1, 1, (), False), ("shared", 2, 2, ("--local-prefill", "off"), False),
-            ("dist", 1, 1, ("--local-prefill", "off", "--placement", "load"), False),
-            ("dist", 2, 2, (), True)]
+# token, TLS on the router, transfer secrets checked — the whole module runs on it once; async
+# scheduling on the decode workers: step N+1 scheduled before step N is read)
+CLUSTERS = [("shared", 1, 1, (), False, False),
+            ("shared", 2, 2, ("--local-prefill", "off"), False, True),
+            ("dist", 1, 1, ("--local-prefill", "off", "--placement", "load"), False, False),
+            ("dist", 2, 2, (), True, False)]
 
 
 @pytest.fixture(scope="module", params=CLUSTERS,
                 ids=lambda p: f"{p[0]}-{p[1]}p{p[2]}d{'-' if p[3] else ''}"
                               f"{'-'.join(a.strip('-') for a in p[3])}"
-                              f"{'-secure' if p[4] else ''}")
+                              f"{'-secure' if p[4] else ''}{'-async' if p[5] else ''}")
 def cluster(request, tmp_path_factory, reference):
-    transport, prefill, decode, placement, secure = request.param
+    transport, prefill, decode, placement, secure, async_scheduling = request.param
     tmp = tmp_path_factory.mktemp(f"{transport}-{prefill}p{decode}d")
     with start_cluster(tmp, prefill=prefill, decode=decode, dtype="float32",
                        kv_transport=transport, router_args=placement,
+                       async_scheduling=async_scheduling,
                        **(secure_spec(tmp) if secure else {})) as running:
         yield running
 

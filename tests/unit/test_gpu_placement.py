@@ -140,6 +140,21 @@ def test_cpu_worker_command_is_unchanged_but_for_the_transport():
     assert cluster.gpu_slots == {}
 
 
+def test_graphs_reach_every_worker_and_async_scheduling_decode_and_colocated_only():
+    cluster, commands = fake_cluster(ClusterSpec(device="cuda", gpus=1, cuda_graphs=True,
+                                                 async_scheduling=True))
+    for role in ("prefill", "decode"):
+        cluster.spawn_worker(role)
+    assert all("--cuda-graphs" in args for args in commands.values())
+    assert "--async-scheduling" in commands["decode-0"]
+    assert "--async-scheduling" not in commands["prefill-0"]
+    cluster, commands = fake_cluster(ClusterSpec(prefill=0, decode=0, colocated=1,
+                                                 async_scheduling=True))
+    cluster.spawn_worker("colocated")
+    assert "--async-scheduling" in commands["colocated-0"]
+    assert "--cuda-graphs" not in commands["colocated-0"]
+
+
 def test_cuda_workers_spread_over_the_gpus_and_a_replacement_takes_the_free_place():
     cluster, commands = fake_cluster(ClusterSpec(prefill=2, decode=2, device="cuda", gpus=2,
                                                  kv_transport="shared"))
@@ -176,6 +191,7 @@ def test_cuda_cluster_uses_every_visible_gpu(monkeypatch):
     ({"device": "cuda", "gpus": 0}, "--gpus must be >= 1"),
     ({"gpu_memory_fraction": 0.5}, "need --device cuda"),
     ({"device": "cuda", "gpu_memory_fraction": 0.96}, "--gpu-memory-fraction must be in"),
+    ({"cuda_graphs": True}, "--cuda-graphs needs --device cuda"),
 ])
 def test_cluster_spec_validation(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -298,3 +314,18 @@ def test_worker_flag_reaches_the_engines_cache_config(monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     config = worker_main.build_engine(options)
     assert (config.device, config.cache.gpu_memory_fraction) == ("cuda:1", 0.45)
+
+
+def test_graph_and_async_flags_reach_the_engine_config(monkeypatch):
+    import serving.worker_main as worker_main
+
+    options = parse_worker_args("decode", ["--router", "h:1", "--device", "cuda:0",
+                                           "--cuda-graphs", "--async-scheduling"])
+    monkeypatch.setattr(worker_main, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    config = worker_main.build_engine(options)
+    assert (config.cuda_graphs, config.async_scheduling) == (True, True)
+    with pytest.raises(ValueError, match="--cuda-graphs needs --device cuda"):
+        WorkerOptions(role="decode", router="h:1", cuda_graphs=True)
+    with pytest.raises(ValueError, match="--async-scheduling is for decode and colocated"):
+        WorkerOptions(role="prefill", router="h:1", async_scheduling=True)
