@@ -1,7 +1,8 @@
-"""GPU engine speed (issue 15): ours eager, ours with CUDA graphs, ours with graphs + fused
-element-wise kernels, beside transformers' `generate` (static batches of 32) and `generate_batch`
-(its continuous batching), on random-weight checkpoints of three model shapes, in one run; and
-the GPU busy share of each of ours (kernel time / wall time under torch.profiler).
+"""GPU engine speed (issue 15): ours eager, with async scheduling, with CUDA graphs, with both,
+and with both + fused element-wise kernels, beside transformers' `generate` (static batches of
+32) and `generate_batch` (its continuous batching), on random-weight checkpoints of three model
+shapes, in one run; and the GPU busy share of each of ours (kernel time / wall time under
+torch.profiler).
 
     python -m benchmarks.gpu_engine --tokenizer DIR [--shapes smol135m,llama1b[,llama8b]]
         [--requests 256] [--runs 2] [--systems ...] [--json OUT.json]
@@ -41,8 +42,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }
 VOCAB = 49152  # the default tokenizer's
-OURS = {"ours_eager": {}, "ours_graphs": {"cuda_graphs": True},
-        "ours_graphs_fused": {"cuda_graphs": True, "fused_kernels": True}}
+OURS = {"ours_eager": {}, "ours_async": {"async_scheduling": True},
+        "ours_graphs": {"cuda_graphs": True},
+        "ours_graphs_async": {"cuda_graphs": True, "async_scheduling": True},
+        "ours_graphs_async_fused": {"cuda_graphs": True, "async_scheduling": True,
+                                    "fused_kernels": True}}
 PEERS = ("hf_static", "hf_generate_batch")
 STATIC_BATCH = 32
 
