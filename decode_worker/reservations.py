@@ -8,7 +8,8 @@ no write into them can still land.** A write begins with `begin_receive` (naming
 empty for a transfer this worker receives itself, or the key of a peer's mapping of our cache for
 a one-sided write) and the reservation is then RECEIVING. While RECEIVING, nothing frees the
 blocks: an abort only marks the reservation, and the lease does not run. RECEIVING ends only by
-`end_receive` (the writer reports it is done, well or not) or `writer_gone` (the writer's mapping
+`end_receive` (the writer reports it is done, well or not), `refuse_receive` (its bytes were
+refused before any was written: RESERVED again) or `writer_gone` (the writer's mapping
 closed: it let go of our cache with no write in flight, or it died) — and then an aborted or
 failed reservation is freed. Blocks are taken fresh at reservation, never from the prefix cache,
 so a write can only land in blocks that belong to that request alone.
@@ -121,6 +122,20 @@ class ReservationTable:
             else:
                 reservation.state = LeaseState.RESERVED
                 reservation.received_blocks += more_after
+            reservation.writer = ""
+            reservation.expires_at = self._clock() + reservation.lease_s
+            return True
+
+    def refuse_receive(self, request_id: str) -> bool:
+        """The transfer ended with nothing written (its bytes were refused): the reservation is
+        RESERVED again as before it began, lease restarted — unless an abort came meanwhile,
+        which frees the blocks now. True if still held."""
+        with self._lock:
+            reservation = self._get(request_id)
+            if reservation.aborted:
+                self._drop(request_id)
+                return False
+            reservation.state = LeaseState.RESERVED
             reservation.writer = ""
             reservation.expires_at = self._clock() + reservation.lease_s
             return True

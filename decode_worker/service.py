@@ -8,7 +8,7 @@ import grpc
 
 from decode_worker.worker import DecodeWorker, NoRoom
 from engine.engine import RequestOutput
-from kv_transfer import TransferError
+from kv_transfer import IntegrityError, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.convert import (
@@ -54,10 +54,10 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             stats = self.worker.receive_kv(request.request_id, request.sender_id,
                                            request.generation, request.tag, request.num_blocks,
                                            request.dtype, request.first_block, request.more,
-                                           request.transfer_secret)
+                                           request.transfer_secret, request.piece_mac)
         except KeyError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
-        except PermissionError as exc:
+        except (PermissionError, IntegrityError) as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.PERMISSION_DENIED, str(exc))
         except ValueError as exc:
             self.gate.reject(context, "ReceiveKV", grpc.StatusCode.INVALID_ARGUMENT, str(exc))

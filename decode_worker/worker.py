@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,15 @@ import torch
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import Request, SamplingParams
-from kv_transfer import KVExporter, KVReceiver, TransferError, TransferStats
+from kv_transfer import (
+    IntegrityError,
+    KVExporter,
+    KVReceiver,
+    PieceId,
+    TransferError,
+    TransferStats,
+    verify_piece,
+)
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
@@ -89,10 +97,12 @@ class DecodeWorker:
 
     def receive_kv(self, request_id: str, sender_id: str, generation: int, tag: int,
                    num_blocks: int, dtype: str, first_block: int = 0,
-                   more: bool = False, secret: str = "") -> TransferStats:
+                   more: bool = False, secret: str = "", mac: bytes = b"") -> TransferStats:
         """dist transport: receive the prompt's KV, or one piece of it (see ReceiveKVRequest),
         into the reserved blocks (KeyError: no such reservation; ValueError: shape/dtype
-        mismatch or a piece out of order; TransferError: the transfer failed)."""
+        mismatch or a piece out of order; IntegrityError: the bytes do not match `mac`,
+        nothing written, the reservation stays reserved; TransferError: the transfer
+        failed)."""
         engine = self.loop.engine
         began = False
         try:
@@ -106,20 +116,40 @@ class DecodeWorker:
             if began:  # only the receive this call began: another may be writing
                 self.table.end_receive(request_id, ok=False)
             raise
-        ok = False
+        piece = PieceId(request_id, first_block, num_blocks, last=not more)
+        return self._receive_piece(piece, sender_id, generation, tag,
+                                   fresh[first_block:first_block + num_blocks],
+                                   lambda layers: verify_piece(secret, piece, layers, mac))
+
+    def _receive_piece(self, piece: PieceId, sender_id: str, generation: int, tag: int,
+                       block_ids: list[int], check: Callable[[Sequence[torch.Tensor]], None]
+                       ) -> TransferStats:
+        """Receive a begun piece into `block_ids`, then end the receive: held on, refused
+        (nothing written: RESERVED again) or failed (blocks freed)."""
+        rid, outcome = piece.request_id, "failed"
         try:
-            stats = self.receiver.receive(sender_id, generation, tag, engine.runner.kv_caches,
-                                          fresh[first_block:first_block + num_blocks])
-            ok = True
+            stats = self.receiver.receive(sender_id, generation, tag,
+                                          self.loop.engine.runner.kv_caches, block_ids, check)
+            outcome = "ok"
             self.metrics.transfer("received", stats.num_bytes, stats.seconds, "dist")
             return stats
+        except IntegrityError:
+            outcome = "refused"
+            self.metrics.integrity_failed("dist")
+            log.warning("refused a KV piece of %s from %s: its bytes do not match their MAC",
+                        rid, sender_id)
+            raise
         except TransferError:
             self.metrics.transfer_failed("received", "dist")
             raise
         finally:
-            held = self.table.end_receive(request_id, ok, num_blocks if more else None)
-            if ok and not held:
-                raise TransferError(f"request {request_id!r} was aborted during its transfer")
+            if outcome == "refused":
+                held = self.table.refuse_receive(rid)
+            else:
+                held = self.table.end_receive(rid, outcome == "ok",
+                                              None if piece.last else len(block_ids))
+            if outcome == "ok" and not held:
+                raise TransferError(f"request {rid!r} was aborted during its transfer")
 
     # ---- shared transport: same-host writers copy into our cache (kv_transfer.shared) -------
     def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str,

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deployment {result.name} serving on {result.router_address}")
             for actor in result.actors:
                 print(f"  {actor['id']:12} {actor['address']:21} node {actor['node_ip']}")
-            print(f"try: python -m router client --address {result.router_address} \"Hello!\"")
+            ca = f" --tls-ca {config.tls.ca_file}" if config.tls.enabled else ""
+            print(f"try: python -m router client --address {result.router_address}{ca} "
+                  "\"Hello!\"")
         elif args.command == "status":
             report = deployment.status(config)
             print(json.dumps(report, indent=1) if args.json else render_status(report))

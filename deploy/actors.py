@@ -4,7 +4,10 @@ same code the local launcher runs (router.server.Router, serving.worker_main.Ser
 An actor that dies (its process killed, its node gone) is restarted by Ray up to max_restarts;
 its constructor runs again, so a worker loads its engine and registers with the router again,
 and a router binds its fixed port again and rebuilds its registry from the workers' heartbeats
-(a worker the new router does not know registers again on its next beat)."""
+(a worker the new router does not know registers again on its next beat).
+
+Credentials come as paths (deploy.security.Credentials): each actor reads the token, its TLS
+certificate and key and the CAs from its own node's files."""
 
 from __future__ import annotations
 
@@ -16,10 +19,34 @@ from typing import Any
 import ray
 
 from deploy.config import NODE_IP
+from deploy.security import NO_CREDENTIALS, Credentials
 
 
 def _host(setting: str) -> str:
     return ray.util.get_node_ip_address() if setting == NODE_IP else setting
+
+
+def _router_security(credentials: Credentials, internal_port: int) -> dict[str, Any]:
+    """RouterOptions fields from the credential files, read here, on the router's node."""
+    from serving.auth import load_token
+    from serving.tls import ClusterTls, ServerTls
+
+    tls, mutual = credentials.tls, credentials.cluster_tls
+    cluster_tls = ClusterTls.load(mutual.cert_file, mutual.key_file, mutual.ca_file)
+    return {"cluster_token": load_token(credentials.token_file),
+            "tls": ServerTls.load(tls.cert_file, tls.key_file), "cluster_tls": cluster_tls,
+            "internal_port": internal_port if cluster_tls else None}
+
+
+def _worker_security(credentials: Credentials) -> dict[str, Any]:
+    """WorkerOptions fields from the credential files, read here, on the worker's node."""
+    from serving.auth import load_token
+    from serving.tls import ClusterTls
+
+    mutual = credentials.cluster_tls
+    return {"cluster_token": load_token(credentials.token_file),
+            "tls_ca": credentials.tls.ca_file,
+            "cluster_tls": ClusterTls.load(mutual.cert_file, mutual.key_file, mutual.ca_file)}
 
 
 def _placement() -> dict[str, Any]:
@@ -30,20 +57,22 @@ def _placement() -> dict[str, Any]:
 
 class RouterActor:
     def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int,
-                 http_port: int = 8000, token_file: str | None = None):
+                 http_port: int = 8000, credentials: Credentials = NO_CREDENTIALS,
+                 internal_port: int = 50052):
         from router.server import Router, RouterOptions
-        from serving.auth import load_token
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.router = Router(RouterOptions(host=_host(host), port=port, model=model,
                                            max_running=max_running, max_queued=max_queued,
                                            http_port=http_port,
-                                           cluster_token=load_token(token_file)))
+                                           **_router_security(credentials, internal_port)))
         self.port = self.router.start()
         self.address = f"{self.router.options.host}:{self.port}"
 
     def info(self) -> dict[str, Any]:
+        """`registry_address`: where workers register (the internal port under mutual TLS)."""
         return {"role": "router", "id": "router", "address": self.address,
+                "registry_address": self.router.internal_address or self.address,
                 "metrics_address": self.router.metrics_address,
                 "http_address": self.router.http_address, **_placement()}
 
@@ -57,10 +86,9 @@ class RouterActor:
 class WorkerActor:
     def __init__(self, role: str, worker_id: str, router_address: str, host: str,
                  engine: dict[str, Any], grace_s: float, connect_timeout_s: float,
-                 token_file: str | None = None):
+                 credentials: Credentials = NO_CREDENTIALS):
         from decode_worker.role import decode_role
         from prefill_worker.role import prefill_role
-        from serving.auth import load_token
         from serving.options import WorkerOptions
         from serving.worker_main import ServingWorker, build_engine
 
@@ -70,7 +98,7 @@ class WorkerActor:
         options = WorkerOptions(role=role, router=router_address, host=_host(host),
                                 worker_id=worker_id, grace_s=grace_s,
                                 connect_timeout_s=connect_timeout_s,
-                                cluster_token=load_token(token_file), **engine)
+                                **_worker_security(credentials), **engine)
         llm_engine = build_engine(options)
         make_role = prefill_role if role == "prefill" else decode_role
         self.worker = ServingWorker(options, make_role(llm_engine, options),

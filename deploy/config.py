@@ -5,6 +5,14 @@ Schema (every key optional except where noted; unknown keys are errors):
 
     name: pdserve              # actor and placement-group names derive from it
     cluster_token_file: null   # a path on every node: the cluster token (serving.auth)
+    tls:                       # TLS on the router's public ports (deploy.security), paths
+      cert_file: null          #   on every node; cert and key together, with the CA that
+      key_file: null           #   signed them (workers and the driver check the router)
+      ca_file: null
+    cluster_tls:               # mutual TLS between all actors: all three or none
+      cert_file: null
+      key_file: null
+      ca_file: null
     ray:
       address: auto            # what ray.init connects to ("auto": the running cluster)
       namespace: pdserve
@@ -17,6 +25,7 @@ Schema (every key optional except where noted; unknown keys are errors):
       host: 127.0.0.1          # an interface, or "node-ip" for the node's address
       port: 50051              # fixed: a restarted router must keep its address
       http_port: 8000          # its OpenAI-compatible HTTP API (0: off)
+      internal_port: 50052     # with cluster_tls: the worker registry's own port (fixed)
       max_running: 256
       max_queued: 1024
       max_restarts: -1         # -1: restart forever
@@ -41,11 +50,14 @@ Schema (every key optional except where noted; unknown keys are errors):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from deploy.schema import build
+from deploy.security import ClusterTlsSection, ConfigError, Credentials, TlsSection
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -54,10 +66,6 @@ MAX_REPLICAS = 64
 KV_TRANSPORTS = ("auto", "shared", "dist")
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of a whole GPU; a worker with part of a GPU gets that part
 MAX_GPU_MEMORY_FRACTION = 0.95  # what the workers sharing one GPU may use together, at most
-
-
-class ConfigError(ValueError):
-    """A deployment config that cannot be deployed; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
+    internal_port: int = 50052  # the registry's port under cluster_tls (public clients have no
+    # certificate, and gRPC cannot ask only some callers of one port for one)
     max_running: int = 256
     max_queued: int = 1024
     max_restarts: int = -1
@@ -103,6 +113,10 @@ class RouterSection:
                               f"router keeps its address), got {self.port}")
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"router.http_port must be in [0, 65535] (0: off): {self.http_port}")
+        if not 1 <= self.internal_port <= 65535 or self.internal_port in (self.port,
+                                                                          self.http_port):
+            raise ConfigError(f"router.internal_port must be in [1, 65535] and differ from "
+                              f"router.port and router.http_port, got {self.internal_port}")
         if self.max_running < 1 or self.max_queued < 0:
             raise ConfigError(f"router.max_running must be >= 1 and router.max_queued >= 0, "
                               f"got {self.max_running} and {self.max_queued}")
@@ -222,6 +236,8 @@ class DeployConfig:
     workers: WorkersSection = field(default_factory=WorkersSection)
     placement: PlacementSection = field(default_factory=PlacementSection)
     cluster_token_file: str | None = None  # read by each actor on its node
+    tls: TlsSection = field(default_factory=TlsSection)  # paths, read by each actor on its node
+    cluster_tls: ClusterTlsSection = field(default_factory=ClusterTlsSection)
 
     def __post_init__(self) -> None:
         if self.cluster_token_file == "":
@@ -233,6 +249,10 @@ class DeployConfig:
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
                                   f"{replicas}")
+
+    @property
+    def credentials(self) -> Credentials:
+        return Credentials(self.cluster_token_file, self.tls, self.cluster_tls)
 
     def worker_engine(self) -> dict[str, Any]:
         """The WorkerOptions fields (besides role, ids and addresses) every worker actor gets."""
@@ -257,7 +277,7 @@ class DeployConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeployConfig:
-        return _build(cls, data, "")
+        return build(cls, data, _SECTIONS)
 
 
 def _check_restarts(key: str, value: int) -> None:
@@ -265,40 +285,9 @@ def _check_restarts(key: str, value: int) -> None:
         raise ConfigError(f"{key} must be -1 (forever) or >= 0, got {value}")
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    """A section dataclass from a mapping: unknown keys and wrongly typed values are errors that
-    name the key."""
-    where = prefix.rstrip(".") or "the config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]!s} (known in {where}: "
-                          f"{', '.join(known)})")
-    values = {}
-    for name, value in data.items():
-        kind = known[name].type
-        section = _SECTIONS.get(kind)
-        values[name] = (_build(section, value, f"{prefix}{name}.") if section
-                        else _typed(f"{prefix}{name}", value, kind))
-    return cls(**values)
-
-
-def _typed(key: str, value: Any, kind: str) -> Any:
-    if value is None and "None" in kind:
-        return None
-    if "float" in kind and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if "int" in kind and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if "str" in kind and isinstance(value, str):
-        return value
-    raise ConfigError(f"{key} must be {kind.replace(' | None', ' or null')}, got {value!r}")
-
-
 _SECTIONS: dict[str, type] = {
     "RaySection": RaySection, "ModelSection": ModelSection, "RouterSection": RouterSection,
     "ReplicasSection": ReplicasSection, "WorkersSection": WorkersSection,
-    "PlacementSection": PlacementSection,
+    "PlacementSection": PlacementSection, "TlsSection": TlsSection,
+    "ClusterTlsSection": ClusterTlsSection,
 }

@@ -81,10 +81,11 @@ def deploy(config: DeployConfig) -> Deployment:
         group = _placement_group(config)
         router = _start_router(config)
         info = ray.get(router.info.remote(), timeout=config.placement.timeout_s)
-        workers = [_start_worker(config, group, i, role, worker_id, info["address"])
+        workers = [_start_worker(config, group, i, role, worker_id, info["registry_address"])
                    for i, (role, worker_id) in enumerate(config.worker_names)]
         infos = ray.get([w.info.remote() for w in workers], timeout=config.placement.timeout_s)
-        _wait_registered(info["address"], len(workers), config.placement.timeout_s)
+        _wait_registered(info["address"], len(workers), config.placement.timeout_s,
+                         router_ca(config))
     except BaseException as exc:
         try:
             teardown(config)
@@ -121,7 +122,7 @@ def _start_router(config: DeployConfig) -> Any:
         max_restarts=section.max_restarts, max_concurrency=4, num_cpus=section.num_cpus,
         resources={HEAD_RESOURCE: 0.001},
     ).remote(section.host, section.port, config.model.path, section.max_running,
-             section.max_queued, section.http_port, config.cluster_token_file)
+             section.max_queued, section.http_port, config.credentials, section.internal_port)
 
 
 def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,
@@ -136,16 +137,29 @@ def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, work
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=bundle),
     ).remote(role, worker_id, router_address, workers.host, config.worker_engine(),
-             workers.grace_s, config.placement.timeout_s, config.cluster_token_file)
+             workers.grace_s, config.placement.timeout_s, config.credentials)
 
 
-def _wait_registered(router_address: str, count: int, timeout_s: float) -> None:
+def router_ca(config: DeployConfig) -> bytes | None:
+    """The CA the router's public certificate is checked against, read on this (the driver's)
+    node; None when the router serves plaintext."""
+    from serving.tls import read_ca
+
+    try:
+        return read_ca(config.tls.ca_file)
+    except ValueError as exc:
+        raise ConfigError(f"tls.ca_file: {exc}") from exc
+
+
+def _wait_registered(router_address: str, count: int, timeout_s: float,
+                     root_ca: bytes | None = None) -> None:
     from router.client import cluster_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if sum(w.healthy for w in cluster_status(router_address).workers) >= count:
+            if sum(w.healthy for w in cluster_status(router_address,
+                                                     root_ca=root_ca).workers) >= count:
                 return
         except Exception:  # the router not answering yet: keep waiting
             pass
@@ -226,7 +240,8 @@ def status(config: DeployConfig) -> dict[str, Any]:
         try:
             registered = [{"id": w.worker_id, "role": _role_name(pb, w.role),
                            "address": w.address, "healthy": w.healthy, "draining": w.draining}
-                          for w in cluster_status(router["address"]).workers]
+                          for w in cluster_status(router["address"],
+                                                  root_ca=router_ca(config)).workers]
         except Exception as exc:  # reported, not raised: status must show a broken cluster
             registered = [{"error": f"router not answering: {exc}"}]
     return {"name": config.name, "nodes": nodes, "actors": actors, "registered": registered}

@@ -5,7 +5,8 @@ per pair from where the workers are (`selection`):
   IPC handles) and the prefill worker copies a request's blocks straight into the reserved ids;
 - dist (`endpoints`, `pair`, `transfer`): across hosts — one pair process group per (sender,
   receiver) pair through a TCPStore rendezvous hosted by the receiver; gloo for CPU tensors and
-  NCCL for CUDA tensors through the same code.
+  NCCL for CUDA tensors through the same code; each piece's bytes are checked against a MAC
+  keyed by the transfer secret before they are written (`integrity`).
 
 `selection` is plain Python (the router imports it); everything else loads torch lazily on first
 use, so importing this package does not import torch.
@@ -24,7 +25,8 @@ _LAZY = {
     "TransferStats": "errors", "pack_blocks": "packing", "packed_shapes": "packing",
     "unpack_blocks": "packing", "receive_blocks": "transfer", "send_blocks": "transfer",
     "KVExporter": "shared", "SharedSender": "shared_sender", "SharedWrite": "shared_sender",
-    "device_identity": "shared",
+    "device_identity": "shared", "IntegrityError": "integrity", "PieceId": "integrity",
+    "piece_mac": "integrity", "verify_piece": "integrity",
 }
 
 __all__ = ["KVPlace", "TransportRefused", "choose_transport", "local_host_id", *_LAZY]

@@ -6,7 +6,8 @@ Protocol for one transfer on pair `key` = "{sender}->{receiver}":
 2. the receiver checks the request, then writes `ready/{key}/{generation}/{tag}` = "ok" or an
    error into its own rendezvous store;
 3. the sender waits for that key (bounded) and, on "ok", rendezvouses (new pairs only) and sends
-   each packed layer; the receiver receives and writes the blocks into its cache.
+   each packed layer; the receiver receives, checks the bytes against the MAC the control
+   message carried (`integrity`), and only then writes the blocks into its cache.
 Any failure tears the pair down on that side; both sides rebuild it under the next generation.
 """
 
@@ -63,8 +64,13 @@ class KVReceiver:
         self.store.set(_ready_key(key, generation, tag), f"error: {reason}"[:500])
 
     def receive(self, sender_id: str, generation: int, tag: int,
-                kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> TransferStats:
-        """Receive one request's blocks into `block_ids` of `kv_caches` (bounded waits)."""
+                kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                check: Callable[[Sequence[torch.Tensor]], None]) -> TransferStats:
+        """Receive one request's blocks into `block_ids` of `kv_caches` (bounded waits).
+
+        `check` sees the received bytes before anything is written (`integrity.verify_piece`)
+        and refuses them by raising: the cache is then untouched. The pair stays: the receive
+        completed, so it is in step with its peer."""
         key = pair_key(sender_id, self.worker_id)
         self.store.set(_ready_key(key, generation, tag), "ok")
         try:
@@ -74,6 +80,7 @@ class KVReceiver:
         except (TransferError, RuntimeError) as exc:
             self.registry.tear_down(key)
             raise TransferError(f"receiving KV from {sender_id}: {exc}") from exc
+        check(layers)
         unpack_blocks(kv_caches, block_ids, layers)
         return stats
 

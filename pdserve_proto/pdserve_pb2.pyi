@@ -351,7 +351,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
-    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more", "transfer_secret")
+    __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more", "transfer_secret", "piece_mac")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class ReceiveKVRequest(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PIECE_MAC_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sender_id: str
     generation: int
@@ -370,7 +371,8 @@ class ReceiveKVRequest(_message.Message):
     first_block: int
     more: bool
     transfer_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., more: _Optional[bool] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
+    piece_mac: bytes
+    def __init__(self, request_id: _Optional[str] = ..., sender_id: _Optional[str] = ..., generation: _Optional[int] = ..., tag: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., first_block: _Optional[int] = ..., more: _Optional[bool] = ..., transfer_secret: _Optional[str] = ..., piece_mac: _Optional[bytes] = ...) -> None: ...
 
 class ReceiveKVResponse(_message.Message):
     __slots__ = ("num_bytes", "seconds")

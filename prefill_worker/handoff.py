@@ -43,10 +43,10 @@ class DecodeControl(Protocol):
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
                       num_blocks: int, dtype: str, first_block: int = 0,
-                      more: bool = False) -> Callable[[float], object]:
+                      more: bool = False, mac: bytes = b"") -> Callable[[float], object]:
         """ReceiveKV (dist transport) of the blocks, or of the piece of them from `first_block`
-        (`more`: pieces follow): returns a wait for the decode side's acknowledgement
-        (TransferError if refused)."""
+        (`more`: pieces follow), whose bytes have the MAC `mac` (kv_transfer.integrity):
+        returns a wait for the decode side's acknowledgement (TransferError if refused)."""
 
 
 @dataclass

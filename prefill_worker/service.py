@@ -44,11 +44,11 @@ class DecodeStubs:
 
     def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
                       num_blocks: int, dtype: str, first_block: int = 0,
-                      more: bool = False) -> Callable[[float], object]:
+                      more: bool = False, mac: bytes = b"") -> Callable[[float], object]:
         message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
                                       generation=generation, tag=tag, num_blocks=num_blocks,
                                       dtype=dtype, first_block=first_block, more=more,
-                                      transfer_secret=target.transfer_secret)
+                                      transfer_secret=target.transfer_secret, piece_mac=mac)
         future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
 
         def wait_ack(timeout_s: float) -> object:

@@ -17,6 +17,7 @@ from engine.request import Request, SamplingParams
 from kv_transfer import (
     KVPlace,
     KVSender,
+    PieceId,
     SharedSender,
     TransferError,
     TransferStats,
@@ -25,6 +26,7 @@ from kv_transfer import (
     device_identity,
     local_host_id,
     pack_blocks,
+    piece_mac,
 )
 from prefill_worker.handoff import DecodeControl, DecodeTarget, PrefillResult, ShipPlan
 from prefill_worker.pieces import PieceSender
@@ -114,12 +116,16 @@ class PrefillWorker:
                          layers: Sequence[torch.Tensor], first_block: int, num_blocks: int,
                          more: bool) -> TransferStats:
         """Send packed blocks [first_block, +num_blocks) of the request's reservation and wait
-        for the decode worker's acknowledgement."""
+        for the decode worker's acknowledgement. Their MAC (under the transfer secret) goes in
+        the control call: the decode worker writes only bytes that match it."""
         acks: list[Callable[[float], object]] = []
+        mac = piece_mac(target.transfer_secret,
+                        PieceId(request_id, first_block, num_blocks, last=not more), layers)
         stats = self.sender.send_packed(
             target.worker_id, target.transfer_address, layers,
             lambda generation, tag: acks.append(self.control.start_receive(
-                target, request_id, generation, tag, num_blocks, dtype, first_block, more)))
+                target, request_id, generation, tag, num_blocks, dtype, first_block, more,
+                mac)))
         acks[0](self.options.transfer_timeout_s)  # the decode side has written the KV
         return stats
 

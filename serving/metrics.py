@@ -94,6 +94,10 @@ class WorkerMetrics:
                                             "transfers that failed", ["role", "direction",
                                                                       "transport"],
                                             registry=self.registry)
+        self.kv_integrity_failures = Counter("pdserve_worker_kv_integrity_failures", "KV "
+                                             "pieces refused because their bytes did not "
+                                             "match their MAC (nothing written)",
+                                             ["role", "transport"], registry=self.registry)
         self._last_output: dict[str, float] = {}
         self.http_port = 0
 
@@ -140,6 +144,9 @@ class WorkerMetrics:
 
     def transfer_failed(self, direction: str, transport: str) -> None:
         self.kv_transfer_failures.labels(self.role, direction, transport).inc()
+
+    def integrity_failed(self, transport: str) -> None:
+        self.kv_integrity_failures.labels(self.role, transport).inc()
 
     def reject(self, method: str, code: str) -> None:
         self.rejections.labels(self.role, method, code).inc()

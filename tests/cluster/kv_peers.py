@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer import PairRegistry, TransferError, pack_blocks, packed_shapes, unpack_blocks
+from kv_transfer import (
+    IntegrityError,
+    KVReceiver,
+    KVSender,
+    PairRegistry,
+    PieceId,
+    TransferError,
+    pack_blocks,
+    packed_shapes,
+    piece_mac,
+    unpack_blocks,
+    verify_piece,
+)
 from kv_transfer.pair import RECEIVER_RANK, SENDER_RANK, connect_store, host_store
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
@@ -67,3 +79,42 @@ def sender(port: int, plan: list[str], first_generation: int = 0) -> None:
             pair.group.send([layers[0]], pair.peer, generation).wait()
             os._exit(1)
         send_blocks(pair, tag=generation, layers=layers, timeout_s=TIMEOUT_S)
+
+
+# ---- MAC-checked transfers: the real KVReceiver / KVSender, the control call as a queue -------
+SECRET = "the-routers-secret"
+
+
+def piece() -> PieceId:
+    return PieceId("req-1", first_block=0, num_blocks=len(DST_BLOCKS), last=True)
+
+
+def checked_receiver(queue, control, steps: int) -> None:
+    """Receive `steps` transfers with `KVReceiver.receive`, each checked against the MAC its
+    control message (from `control`) announced; report what landed in the whole cache."""
+    receiver = KVReceiver("d", "127.0.0.1", torch.device("cpu"), TIMEOUT_S)
+    queue.put(("port", receiver.port))
+    caches = make_caches(seed=None)
+    for _ in range(steps):
+        generation, tag, mac = control.get(timeout=60)
+        try:
+            receiver.receive("p", generation, tag, caches, DST_BLOCKS,
+                             lambda layers, mac=mac: verify_piece(SECRET, piece(), layers, mac))
+            outcome = "ok"
+        except IntegrityError:
+            outcome = "refused"
+        whole = float(sum(c.double().abs().sum() for c in caches))
+        landed = float(sum(t.double().sum() for t in pack_blocks(caches, DST_BLOCKS)))
+        queue.put((outcome, whole, landed))
+
+
+def checked_sender(port: int, control, plan: list[str]) -> None:
+    """For each step: 'honest' (the MAC of the bytes sent), 'forged' (the MAC of the real
+    bytes, other bytes sent) or 'wrong-key' (the real bytes, a MAC under a guessed secret)."""
+    sender = KVSender("p", "127.0.0.1", torch.device("cpu"), TIMEOUT_S)
+    real = pack_blocks(make_caches(seed=1), SRC_BLOCKS)
+    for step in plan:
+        sent = [torch.full_like(t, 0.5) for t in real] if step == "forged" else real
+        mac = piece_mac("a-guess" if step == "wrong-key" else SECRET, piece(), real)
+        sender.send_packed("d", f"127.0.0.1:{port}", sent,
+                           lambda generation, tag, mac=mac: control.put((generation, tag, mac)))

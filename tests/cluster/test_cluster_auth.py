@@ -5,8 +5,8 @@ certs`). It serves both public APIs over TLS to a client trusting the CA, and to
 registration (UNAUTHENTICATED, counted), never listed and never sent a prompt; a caller without
 a certificate of the cluster CA (none, another CA's, an expired one) is refused at the TLS
 handshake by the router's registry and by the workers; a caller without the token cannot reach
-the workers' internal RPCs, and a member without a reservation's transfer secret cannot write
-into it."""
+the workers' internal RPCs, a member without a reservation's transfer secret cannot write
+into it, and KV bytes that do not match the MAC of their ReceiveKV are refused."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine.config import CacheConfig
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving import auth
@@ -156,6 +157,74 @@ def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cl
         auth.configure(None)
     wait_until(lambda: next(w.free_blocks for w in cluster.status().workers
                             if w.worker_id == decode.worker_id) == before, 10, "blocks back")
+
+
+def packed_like_the_cache(model_dir: Path, num_blocks: int, fill: float) -> list:
+    """`num_blocks` packed blocks of the tiny model's KV cache as the workers hold it (the
+    default dtype on CPU, bfloat16; block size 16)."""
+    import torch
+
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    shape = (2, num_blocks, CacheConfig.block_size, config["num_key_value_heads"], head_dim)
+    return [torch.full(shape, fill, dtype=torch.bfloat16)
+            for _ in range(config["num_hidden_layers"])]
+
+
+def send_piece(stub, sender, reserved, layers: list, mac: bytes) -> grpc.StatusCode:  # noqa: ANN001
+    """Send `layers` over a dist pair as the whole of reservation "sealed", announced by a
+    ReceiveKV carrying the reservation's secret and `mac`: the decode worker's answer."""
+    calls = []
+
+    def start_receive(generation: int, tag: int) -> None:
+        calls.append(stub.ReceiveKV.future(pb.ReceiveKVRequest(
+            request_id="sealed", sender_id="rogue", generation=generation, tag=tag,
+            num_blocks=len(reserved.block_ids), dtype="bfloat16", transfer_secret="the-secret",
+            piece_mac=mac), timeout=30))
+
+    sender.send_packed(reserved.decode_worker_id, reserved.transfer_address, layers,
+                       start_receive)
+    return _code(lambda _, timeout: calls[0].result(timeout=timeout), None)
+
+
+def test_kv_bytes_that_do_not_match_their_mac_are_refused_and_counted(cluster,
+                                                                      tiny_llama_dir):
+    """A member holding the reservation's transfer secret sends KV over a real dist pair, but
+    the bytes do not match the MAC in its ReceiveKV (other bytes than the MAC was computed over,
+    or a MAC under another key): PERMISSION_DENIED, counted, the reservation stays reserved —
+    the honest piece after them lands — and its blocks come back at the abort."""
+    from kv_transfer import KVSender, PieceId, piece_mac
+
+    decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
+    free = lambda: next(w.free_blocks for w in cluster.status().workers  # noqa: E731
+                        if w.worker_id == decode.worker_id)
+    before, counter = free(), ("pdserve_worker_kv_integrity_failures_total{role=decode,"
+                               "transport=dist}")
+    counted = scrape(decode.metrics_address).get(counter, 0.0)
+    auth.configure(cluster.token, cluster.member_tls)  # a (compromised) cluster member
+    try:
+        with internal_channel(decode.address) as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            reserved = stub.Reserve(pb.ReserveRequest(
+                request_id="sealed", prompt_token_ids=list(range(1, 40)), lease_s=60,
+                sampling=pb.SamplingOptions(max_tokens=2), transfer_secret="the-secret"),
+                timeout=10)
+            n = len(reserved.block_ids)
+            real = packed_like_the_cache(tiny_llama_dir, n, 0.25)
+            forged = packed_like_the_cache(tiny_llama_dir, n, 9.0)
+            piece = PieceId("sealed", 0, n, last=True)
+            sender = KVSender("rogue", "127.0.0.1", real[0].device, timeout_s=20)
+            codes = [send_piece(stub, sender, reserved, forged, piece_mac("the-secret", piece,
+                                                                          real)),
+                     send_piece(stub, sender, reserved, real, piece_mac("a-guess", piece, real)),
+                     send_piece(stub, sender, reserved, real, piece_mac("the-secret", piece,
+                                                                        real))]
+            assert codes == [grpc.StatusCode.PERMISSION_DENIED] * 2 + [grpc.StatusCode.OK]
+            assert stub.Abort(pb.AbortRequest(request_id="sealed"), timeout=10).found
+    finally:
+        auth.configure(None)
+    assert scrape(decode.metrics_address)[counter] == counted + 2
+    wait_until(lambda: free() == before, 10, "blocks back")
 
 
 def outsider_tls(tmp: Path, kind: str, cluster) -> ClusterTls | None:  # noqa: ANN001

@@ -67,3 +67,28 @@ def test_a_sender_dying_mid_transfer_is_an_error_then_a_new_sender_gets_through(
         assert proc.exitcode == 0
     assert again[0] == "ok"
     assert again[2] == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)
+
+
+def test_bytes_that_do_not_match_their_mac_are_refused_and_nothing_is_written():
+    """The real KVReceiver/KVSender over gloo, each transfer announced with a MAC (the control
+    call, here a queue): forged bytes under the real bytes' MAC, and the real bytes under a MAC of
+    a guessed secret, are received but refused before anything is written (the cache stays all
+    zeros); the pair stays in step, and the honest transfer after them lands intact."""
+    ctx = mp.get_context("spawn")
+    queue, control = ctx.Queue(), ctx.Queue()
+    plan = ["forged", "wrong-key", "honest"]
+    recv = ctx.Process(target=kv_peers.checked_receiver, args=(queue, control, len(plan)),
+                       daemon=True)
+    recv.start()
+    kind, port = queue.get(timeout=60)
+    send = ctx.Process(target=kv_peers.checked_sender, args=(port, control, plan), daemon=True)
+    send.start()
+    results = [queue.get(timeout=60) for _ in plan]
+    for proc in (send, recv):
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+    assert results[0] == ("refused", 0.0, 0.0)
+    assert results[1] == ("refused", 0.0, 0.0)
+    outcome, whole, landed = results[2]
+    assert outcome == "ok" and whole > 0
+    assert landed == pytest.approx(kv_peers.expected_checksum(), rel=1e-9)

@@ -1,25 +1,32 @@
-"""The Ray deployment on a local Ray (one session for the module): deploy 1P+1D with the tiny model,
-stream through the router, kill a worker actor and the router actor (both restart and serve
-again), tear down with no actor left; invalid configs fail before anything starts."""
+"""The Ray deployment on a local Ray (one session for the module): deploy 1P+1D with the tiny model
+in secure mode (cluster token, TLS on the router's public ports, mutual TLS between the actors),
+stream through the router over TLS, kill a worker actor and the router actor (both restart and
+serve again), tear down with no actor left; invalid configs fail before anything starts."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import ssl
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
 import ray
 
 from deploy import deployment
-from deploy.config import ConfigError
+from deploy.config import ConfigError, DeployConfig
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.launch import free_port
+from serving import auth
 from serving.auth import new_token
-from serving.grpc_server import channel
+from serving.certs import make_certs
+from serving.grpc_server import internal_channel
+from serving.tls import ClusterTls
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
 from tests.cluster.ray_helpers import (
     NAMESPACE,
@@ -39,10 +46,41 @@ def local_ray():
     ray.shutdown()
 
 
-def _generate(address: str) -> list[int]:
-    tokens, _, last = stream_tokens(address, greedy_request([1, 2, 3, 4, 5], 8), 60.0)
+def _generate(address: str, root_ca: bytes) -> list[int]:
+    tokens, _, last = stream_tokens(address, greedy_request([1, 2, 3, 4, 5], 8), 60.0,
+                                    root_ca=root_ca)
     assert len(tokens) == 8 and last.finish_reason != 0
     return tokens
+
+
+def _secure_config(model: Path, tmp: Path) -> DeployConfig:
+    """The tiny deployment with a cluster token, TLS on the router's public ports and mutual
+    TLS between the actors, from a throwaway CA (`python -m router certs`)."""
+    certs = make_certs(tmp / "certs")
+    token = tmp / "cluster.token"  # every actor reads these on its node (here: one node)
+    token.write_text(new_token())
+    token.chmod(0o600)
+    files = {"cert_file": str(certs["server.pem"]), "key_file": str(certs["server.key"]),
+             "ca_file": str(certs["ca.pem"])}
+    return dataclasses.replace(
+        tiny_config(model, router={"internal_port": free_port()}, tls=files, cluster_tls=files),
+        cluster_token_file=str(token))
+
+
+def _rogue_register(address: str, tls: ClusterTls | None) -> grpc.StatusCode:
+    """Register as a decode worker at the router's registry: with the cluster's certificate
+    but no token, or with neither."""
+    auth.configure(None, tls)
+    try:
+        with internal_channel(address) as ch:
+            pb_grpc.WorkerRegistryStub(ch).Register(pb.RegisterRequest(
+                worker_id="rogue", role=pb.WORKER_ROLE_DECODE, address="127.0.0.1:1",
+                model="tiny", block_size=16), timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+    finally:
+        auth.configure(None)
+    return grpc.StatusCode.OK
 
 
 def _placement_groups() -> list[dict]:
@@ -67,36 +105,46 @@ def test_invalid_config_is_refused_before_anything_starts(local_ray, tiny_llama_
     assert not deployment._existing(tiny_config(tiny_llama_dir))
 
 
+def _check_secure(config: DeployConfig, router: dict, ca: bytes, model_name: str) -> None:
+    """The router actor's public ports speak TLS only; its registry wants the cluster's
+    certificate and the token."""
+    with pytest.raises(grpc.RpcError) as plaintext:
+        stream_tokens(router["address"], greedy_request([1, 2, 3]), timeout_s=5)
+    assert plaintext.value.code() is grpc.StatusCode.UNAVAILABLE
+    registry = router["registry_address"]
+    assert registry == f"127.0.0.1:{config.router.internal_port}"
+    mutual = config.cluster_tls
+    member = ClusterTls(mutual.cert_file or "", mutual.key_file or "", mutual.ca_file or "")
+    assert _rogue_register(registry, member) is grpc.StatusCode.UNAUTHENTICATED  # no token
+    assert _rogue_register(registry, None) is grpc.StatusCode.UNAVAILABLE  # no certificate
+    assert router["http_address"] == f"127.0.0.1:{config.router.http_port}"
+    trusting = ssl.create_default_context(cadata=ca.decode())
+    with urllib.request.urlopen(f"https://{router['http_address']}/v1/models", timeout=10,
+                                context=trusting) as reply:  # the OpenAI API, on TLS too
+        assert json.loads(reply.read())["data"][0]["id"] == model_name
+
+
 def test_deploy_stream_restart_and_teardown(local_ray, tiny_llama_dir, tmp_path):
-    token = tmp_path / "cluster.token"  # every actor reads it on its node (here: one node)
-    token.write_text(new_token())
-    token.chmod(0o600)
-    config = dataclasses.replace(tiny_config(tiny_llama_dir), cluster_token_file=str(token))
+    """One secure deployment: token, public TLS and mutual TLS reach every actor."""
+    config = _secure_config(tiny_llama_dir, tmp_path)
+    ca = Path(config.tls.ca_file).read_bytes()
     result = deployment.deploy(config)
     try:
-        reference = _generate(result.router_address)
-        with channel(result.router_address) as ch, pytest.raises(grpc.RpcError) as refused:
-            pb_grpc.WorkerRegistryStub(ch).Register(pb.RegisterRequest(
-                worker_id="rogue", role=pb.WORKER_ROLE_DECODE, address="127.0.0.1:1",
-                model=tiny_llama_dir.name, block_size=16), timeout=10)
-        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED  # the actors have it
+        reference = _generate(result.router_address, ca)
         assert {a["role"] for a in result.actors} == {"router", "prefill", "decode"}
-        router = next(a for a in result.actors if a["role"] == "router")
-        assert router["http_address"] == f"127.0.0.1:{config.router.http_port}"
-        with urllib.request.urlopen(f"http://{router['http_address']}/v1/models",
-                                    timeout=10) as reply:  # the OpenAI API, on the actor too
-            assert json.loads(reply.read())["data"][0]["id"] == tiny_llama_dir.name
+        _check_secure(config, next(a for a in result.actors if a["role"] == "router"), ca,
+                      tiny_llama_dir.name)
 
         # A worker actor killed (its process dies): Ray restarts it, it registers again. The
-        # router actor killed: it comes back on its fixed port and rebuilds its registry from
+        # router actor killed: it comes back on its fixed ports and rebuilds its registry from
         # the workers' heartbeats (they register again when it does not know them).
         for name in ("t-decode-0", "t-router"):
             actor = ray.get_actor(name)
             old_pid = ray.get(actor.info.remote(), timeout=10)["pid"]
             ray.kill(actor, no_restart=False)
             wait_until(lambda: _restarted(name, old_pid), 120, f"{name} restarted")  # noqa: B023
-            deployment._wait_registered(result.router_address, 2, 60)
-            assert _generate(result.router_address) == reference
+            deployment._wait_registered(result.router_address, 2, 60, ca)
+            assert _generate(result.router_address, ca) == reference
 
         report = deployment.status(config)
         assert {a["state"] for a in report["actors"]} == {"alive"}

@@ -90,10 +90,40 @@ def test_cpu_workers_get_no_gpu_keys():
      "workers.kv_transport must be one of auto, shared, dist"),
     ({"workers": {"device": "cuda", "gpus_per_worker": 0.5, "kv_transport": "dist"}},
      "workers.kv_transport dist needs a whole GPU per worker"),
+    ({"tls": {"cert_file": "server.pem"}},
+     "tls.cert_file and tls.key_file go together \\(got only tls.cert_file\\)"),
+    ({"tls": {"key_file": "server.key", "ca_file": "ca.pem"}},
+     "tls.cert_file and tls.key_file go together \\(got only tls.key_file\\)"),
+    ({"tls": {"cert_file": "server.pem", "key_file": "server.key"}},
+     "tls.ca_file is needed with tls.cert_file"),
+    ({"tls": {"ca_file": "ca.pem"}}, "tls.ca_file without tls.cert_file"),
+    ({"tls": {"cert_file": ""}}, "tls.cert_file must be a path \\(or null\\)"),
+    ({"tls": {"certificate": "x"}}, "unknown key tls.certificate"),
+    ({"cluster_tls": {"cert_file": "server.pem", "key_file": "server.key"}},
+     "cluster_tls.cert_file, key_file and ca_file go together \\(missing cluster_tls.ca_file\\)"),
+    ({"cluster_tls": {"ca_file": "ca.pem"}},
+     "missing cluster_tls.cert_file, cluster_tls.key_file"),
+    ({"cluster_tls": {"ca_file": 3}}, "cluster_tls.ca_file must be str or null, got 3"),
+    ({"router": {"port": 50051, "internal_port": 50051}},
+     "router.internal_port must be in \\[1, 65535\\] and differ from router.port"),
+    ({"cluster_token_file": ""}, "cluster_token_file must be a path"),
 ])
 def test_mistakes_are_errors_naming_the_key(data, message):
     with pytest.raises(ConfigError, match=message):
         DeployConfig.from_dict(data)
+
+
+def test_credentials_are_paths_handed_to_the_actors():
+    files = {"cert_file": "/etc/pdserve/server.pem", "key_file": "/etc/pdserve/server.key",
+             "ca_file": "/etc/pdserve/ca.pem"}
+    config = DeployConfig.from_dict({"cluster_token_file": "/etc/pdserve/token", "tls": files,
+                                     "cluster_tls": files})
+    credentials = config.credentials
+    assert credentials.token_file == "/etc/pdserve/token"
+    assert credentials.tls.enabled and credentials.tls.ca_file == "/etc/pdserve/ca.pem"
+    assert credentials.cluster_tls.enabled and credentials.cluster_tls.key_file == files["key_file"]
+    plain = DeployConfig.from_dict({}).credentials
+    assert not plain.tls.enabled and not plain.cluster_tls.enabled and plain.token_file is None
 
 
 def test_unreadable_yaml_is_a_config_error(tmp_path):

@@ -151,3 +151,26 @@ def test_only_the_transfer_presenting_the_reservations_secret_may_write():
     assert table.writer_of("r1") is None and released == []  # still reserved, untouched
     table.begin_receive("r1", writer="prefill-0#1", secret="the-routers-secret")
     assert table.end_receive("r1", ok=True) and table.take_ready("r1") is request
+
+
+def test_a_refused_piece_leaves_the_reservation_as_it_was_and_an_abort_still_frees():
+    """Bytes refused before any was written (their MAC did not match): RESERVED again at the
+    same place in the stream, lease restarted; with an abort meanwhile, freed at once."""
+    table, released, clock = make()
+    reserve(table, "r1", lease_s=5.0)
+    reserve(table, "r2", lease_s=5.0)
+    table.begin_receive("r2")  # receiving: its lease does not run
+    table.begin_receive("r1")
+    table.end_receive("r1", ok=True, more_after=2)
+    table.begin_receive("r1", first_block=2)
+    clock.now = 4.0
+    assert table.refuse_receive("r1") is True and released == []
+    assert table.writer_of("r1") is None
+    with pytest.raises(ValueError, match="has received 2 blocks"):
+        table.begin_receive("r1", first_block=3)  # the refused piece counted for nothing
+    clock.now = 8.9
+    assert table.expire() == []  # the lease restarted at the refusal: until 9.0
+    assert table.abort("r2") and released == []
+    assert table.refuse_receive("r2") is False and released == ["r2"]
+    clock.now = 9.0
+    assert table.expire() == ["r1"] and released == ["r2", "r1"]
