@@ -54,6 +54,7 @@ def cluster(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("auth")
     certs = make_certs(tmp / "certs")
     with start_cluster(tmp, prefill=1, decode=1, model=str(tiny_llama_dir), kv_cache_gb=0.05,
+                       dtype="bfloat16",  # fixed: the packed pieces below are built in it
                        cluster_token_file=token_file(tmp / "token", new_token()),
                        tls_cert=str(certs["server.pem"]), tls_key=str(certs["server.key"]),
                        tls_ca=str(certs["ca.pem"]), cluster_cert=str(certs["server.pem"]),
@@ -160,8 +161,8 @@ def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cl
 
 
 def packed_like_the_cache(model_dir: Path, num_blocks: int, fill: float) -> list:
-    """`num_blocks` packed blocks of the tiny model's KV cache as the workers hold it (the
-    default dtype on CPU, bfloat16; block size 16)."""
+    """`num_blocks` packed blocks of the tiny model's KV cache as the workers hold it
+    (bfloat16, the cluster's dtype; block size 16)."""
     import torch
 
     config = json.loads((model_dir / "config.json").read_text())

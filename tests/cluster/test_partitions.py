@@ -67,6 +67,7 @@ class NetnsCluster:
             self._spawn(node, [f"{role}_worker", "--router", self.address,
                                "--host", self.parts.addresses[node], "--worker-id", node,
                                "--kv-transport", "dist", "--kv-cache-gb", "0.25",
+                               "--dtype", "float32",  # the reference's (bf16 CPUs default to bf16)
                                "--transfer-timeout-s", str(TRANSFER_TIMEOUT_S), *extra])
         self.wait_for(lambda w: len(w) == 4 and all(x["healthy"] for x in w.values()), 240.0,
                       "four workers registered")
