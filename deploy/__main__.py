@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.config import ConfigError, DeployConfig
+from deploy.config import NODE_IP, ConfigError, DeployConfig
+from deploy.security import with_secure_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,14 +26,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ray-address", default=None,
                         help="overrides ray.address in the config (e.g. auto, HOST:6379)")
     parser.add_argument("--json", action="store_true", help="status as JSON")
+    parser.add_argument("--secure", type=Path, default=None, metavar="DIR",
+                        help="secure mode in one flag (up and status): a throwaway CA, "
+                             "certificate and cluster token kept in DIR (written the first "
+                             "time) for TLS, mutual TLS and the token; one node, or a DIR "
+                             "every node sees")
     return parser
 
 
-def load_config(path: Path, ray_address: str | None) -> DeployConfig:
+def load_config(path: Path, ray_address: str | None, secure: Path | None = None
+                ) -> DeployConfig:
     config = DeployConfig.from_yaml(path)
     if ray_address:
         config = dataclasses.replace(config, ray=dataclasses.replace(config.ray,
                                                                      address=ray_address))
+    if secure is not None:
+        node_ip = None
+        if NODE_IP in (config.router.host, config.workers.host):
+            from ray.util import get_node_ip_address  # the address Ray gives this node
+
+            node_ip = get_node_ip_address()
+        config = with_secure_dir(config, secure, node_ip)
     return config
 
 
@@ -65,7 +79,7 @@ def render_status(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = load_config(args.config, args.ray_address)
+        config = load_config(args.config, args.ray_address, args.secure)
     except ConfigError as exc:
         print(f"invalid deployment config {args.config}: {exc}", file=sys.stderr)
         return 2

@@ -57,11 +57,16 @@ from typing import Any
 import yaml
 
 from deploy.schema import build
-from deploy.security import ClusterTlsSection, ConfigError, Credentials, TlsSection
+from deploy.security import (  # noqa: F401 - NODE_IP is the config's vocabulary
+    NODE_IP,
+    ClusterTlsSection,
+    ConfigError,
+    Credentials,
+    TlsSection,
+)
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DTYPES = ("float32", "bfloat16", "float16")
-NODE_IP = "node-ip"  # a host setting meaning "the address of the node the actor runs on"
 MAX_REPLICAS = 64
 KV_TRANSPORTS = ("auto", "shared", "dist")
 DEFAULT_GPU_MEMORY_FRACTION = 0.9  # of a whole GPU; a worker with part of a GPU gets that part

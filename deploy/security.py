@@ -4,7 +4,13 @@ in its dashboard and logs. No ray and no grpc here: the schema is checked withou
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DeployConfigLike = Any  # deploy.config.DeployConfig (which imports this module)
+NODE_IP = "node-ip"  # a host setting meaning "the address of the node the actor runs on"
 
 
 class ConfigError(ValueError):
@@ -78,3 +84,26 @@ class Credentials:
 
 
 NO_CREDENTIALS = Credentials()  # plaintext, no token: for 127.0.0.1 only
+
+
+def with_secure_dir(config: DeployConfigLike, directory: Path, node_ip: str | None
+                    ) -> DeployConfigLike:
+    """`python -m deploy up --secure DIR`: the config with a throwaway CA, certificate and
+    cluster token kept in DIR (written the first time, as `router launch --secure` does) as its
+    tls, cluster_tls and cluster_token_file. The certificate names the router's and the workers'
+    hosts ("node-ip" stands for `node_ip`): for one node, or a DIR every node sees at that path.
+    The config must not name credentials of its own."""
+    from router.secure_dir import secure_files
+
+    named = [key for key, on in (("cluster_token_file", config.cluster_token_file),
+                                 ("tls", config.tls.enabled),
+                                 ("cluster_tls", config.cluster_tls.enabled)) if on]
+    if named:
+        raise ConfigError(f"--secure brings its own credentials; the config names "
+                          f"{', '.join(named)} too")
+    hosts = [node_ip if h == NODE_IP else h for h in (config.router.host, config.workers.host)]
+    files = secure_files(directory, [h for h in hosts if h])
+    pair = {"cert_file": files["tls_cert"], "key_file": files["tls_key"],
+            "ca_file": files["tls_ca"]}
+    return dataclasses.replace(config, cluster_token_file=files["cluster_token_file"],
+                               tls=TlsSection(**pair), cluster_tls=ClusterTlsSection(**pair))

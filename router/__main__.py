@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="the cluster's shared secret, given to every process (else env "
                              "PDSERVE_CLUSTER_TOKEN, which the processes inherit)")
     add_cluster_tls_args(launch)
+    launch.add_argument("--secure", type=Path, default=None, metavar="DIR",
+                        help="secure mode in one flag: TLS, mutual TLS and a cluster token from "
+                             "the throwaway CA, certificate and token kept in DIR (written the "
+                             "first time)")
     _add_gpu_args(launch)
     _add_placement_args(launch)
     client = sub.add_parser("client", help="stream a generation")
@@ -173,11 +177,16 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
     torch: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`). Raises ValueError or GpuError."""
     from router.gpus import visible_gpus
     from router.launch import ClusterSpec
+    from router.secure_dir import FLAGS, check_no_credential_flags, secure_files
 
     colocated = args.colocated
     gpus = args.gpus
     if args.device == "cuda" and gpus is None:
         gpus = visible_gpus()
+    credentials = {name: getattr(args, name) for name in FLAGS}
+    if args.secure is not None:
+        check_no_credential_flags(credentials)
+        credentials = secure_files(args.secure, [args.host])
     return ClusterSpec(prefill=0 if colocated else args.prefill,
                        decode=0 if colocated else args.decode, colocated=colocated,
                        model=args.model, host=args.host, port=args.port,
@@ -186,10 +195,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
-                       http_port=args.http_port, cluster_token_file=args.cluster_token_file,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                       cluster_cert=args.cluster_cert, cluster_key=args.cluster_key,
-                       cluster_ca=args.cluster_ca)
+                       http_port=args.http_port, **credentials)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ serve again), tear down with no actor left; invalid configs fail before anything
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import ssl
 import subprocess
@@ -19,12 +18,11 @@ import ray
 
 from deploy import deployment
 from deploy.config import ConfigError, DeployConfig
+from deploy.security import with_secure_dir
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import free_port
 from serving import auth
-from serving.auth import new_token
-from serving.certs import make_certs
 from serving.grpc_server import internal_channel
 from serving.tls import ClusterTls
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
@@ -55,16 +53,10 @@ def _generate(address: str, root_ca: bytes) -> list[int]:
 
 def _secure_config(model: Path, tmp: Path) -> DeployConfig:
     """The tiny deployment with a cluster token, TLS on the router's public ports and mutual
-    TLS between the actors, from a throwaway CA (`python -m router certs`)."""
-    certs = make_certs(tmp / "certs")
-    token = tmp / "cluster.token"  # every actor reads these on its node (here: one node)
-    token.write_text(new_token())
-    token.chmod(0o600)
-    files = {"cert_file": str(certs["server.pem"]), "key_file": str(certs["server.key"]),
-             "ca_file": str(certs["ca.pem"])}
-    return dataclasses.replace(
-        tiny_config(model, router={"internal_port": free_port()}, tls=files, cluster_tls=files),
-        cluster_token_file=str(token))
+    TLS between the actors, from the throwaway CA, certificate and token `python -m deploy up
+    --secure DIR` writes (every actor reads them on its node; here: one node)."""
+    return with_secure_dir(tiny_config(model, router={"internal_port": free_port()}),
+                           tmp / "certs", node_ip=None)
 
 
 def _rogue_register(address: str, tls: ClusterTls | None) -> grpc.StatusCode:
