@@ -144,7 +144,7 @@ class CacheConfig:
     from `kv_cache_memory_fraction` of the memory available when the engine starts. Else, on CUDA,
     from `gpu_memory_fraction` like vLLM's gpu_memory_utilization: the engine may use that share
     of the GPU's total memory, and the KV cache gets what the weights and an activation reserve
-    leave of it (engine.model_runner.num_kv_blocks); on CPU, `DEFAULT_KV_CACHE_GB`.
+    leave of it (engine.kv_sizing.num_kv_blocks); on CPU, `DEFAULT_KV_CACHE_GB`.
     """
 
     block_size: int = 16

@@ -197,7 +197,8 @@ class LLMEngine:
             if previous is None:
                 return []
             result = self.runner.collect(previous[1])
-        except Exception:  # the caller fails the requests: none may keep blocks held
+        except Exception:  # the caller fails the requests: none may keep blocks held, and none
+            self.runner.wait_idle()  # may be freed while steps launched before still run
             self._in_flight = None
             self.scheduler.in_flight = set()
             self.scheduler.release_held()

@@ -10,16 +10,11 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata, get_attention_backend
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    kv_bytes_per_block,
-)
+from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import DecodeGraphs, DecodeRows
 from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
+from engine.kv_sizing import num_kv_blocks
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
 from engine.sampler import DeviceSamples, Sampler, SamplingBatch
@@ -46,6 +41,9 @@ class LaunchedStep:
 
     step: PreparedStep
     samples: DeviceSamples | None  # None when no request samples this step
+    # CUDA: recorded after the step's last kernel. `collect` waits on it even when nothing is
+    # sampled (a prompt chunk): blocks freed after `collect` must not still be written.
+    done: torch.cuda.Event | None = None
 
     def sample_rows(self) -> dict[str, int]:
         """request id -> its row in `samples.tokens`."""
@@ -59,104 +57,14 @@ class StepResult:
     logprobs: list[dict[int, float] | None]
 
 
-def available_memory_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-# Memory a CUDA process uses outside torch's caching allocator, so torch.cuda.memory_reserved
-# does not count it: the CUDA context, loaded kernel modules (Triton, cuBLAS), NCCL buffers.
-CUDA_OVERHEAD_BYTES = 512 * 2**20
-
-
-def num_kv_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
-                  device: torch.device, scheduler: SchedulerConfig | None = None) -> int:
-    """How many blocks the KV cache gets. Called once the weights are loaded: on CUDA (with no
-    num_blocks, kv_cache_gb or kv_cache_memory_fraction) the cache gets what `gpu_memory_fraction`
-    of the GPU leaves after what this process holds and an activation reserve sized for
-    `scheduler` (default: SchedulerConfig()); on CPU the fixed default (1 GiB)."""
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype.itemsize)
-    if (device.type == "cuda" and cache.kv_cache_gb is None
-            and cache.kv_cache_memory_fraction is None):
-        return _cuda_kv_blocks(cache, model, dtype, device, scheduler or SchedulerConfig(),
-                               per_block)
-    if device.type == "cuda":
-        available = torch.cuda.mem_get_info(device)[0]
-    else:
-        available = available_memory_bytes()
-    blocks = cache.budget_bytes(available) // per_block
-    if blocks < 1:
-        raise ValueError(
-            f"the KV cache budget holds no block: one block needs {per_block} bytes "
-            f"(raise kv_cache_gb or kv_cache_memory_fraction)"
-        )
-    return int(blocks)
-
-
-def activation_reserve_bytes(model: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int,
-                             dtype_bytes: int) -> int:
-    """GPU memory one step may need beyond the weights and the KV cache, at most.
-
-    Layers run one after another without autograd, so only one layer's tensors are alive at a
-    time. Per scheduled token that is the residual stream, the normed input and the layer output
-    (3 x hidden), plus the wider of the MLP (gate_up [2 x intermediate], then SiLU and the product
-    [intermediate each]: 4 x intermediate) and attention (qkv, then RoPE's temporaries, the rotated
-    q and the output: (heads + 2 kv_heads) x head_dim + 4 x heads x head_dim), in the model dtype;
-    plus RMSNorm's fp32 copies (8 bytes x hidden). Doubled: the caching allocator rounds sizes up
-    and does not always reuse freed blocks of other sizes. Logits exist only for each request's
-    last token (at most min(tokens, max_num_seqs) rows): the lm_head output, its fp32 copy and the
-    sampler's fp32 temporaries (softmax, noise, sorted values with int64 indices, masks, scatter)
-    come to about dtype + 32 bytes per vocabulary entry.
-    """
-    attention = ((model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-                 + 4 * model.num_heads * model.head_dim)
-    widest = max(4 * model.intermediate_size, attention)
-    per_token = dtype_bytes * (3 * model.hidden_size + widest) + 8 * model.hidden_size
-    logits_rows = min(max_num_batched_tokens, max_num_seqs)
-    return (2 * max_num_batched_tokens * per_token
-            + logits_rows * model.vocab_size * (dtype_bytes + 32))
-
-
-def cuda_kv_budget_bytes(total: int, reserved: int, free: int, reserve: int,
-                         fraction: float) -> int:
-    """Bytes for the KV cache on a GPU of `total` bytes, like vLLM's gpu_memory_utilization: the
-    engine may use `fraction` of the GPU's total memory; this process already holds `reserved`
-    (the weights, through torch's allocator) and keeps `reserve` for activations and memory
-    outside torch; the cache is never larger than the `free` memory left after that reserve
-    (other processes, e.g. workers sharing this GPU, hold the rest). Never negative."""
-    return max(0, min(int(fraction * total) - reserved - reserve, free - reserve))
-
-
-def _cuda_kv_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
-                    device: torch.device, scheduler: SchedulerConfig, per_block: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    reserved = torch.cuda.memory_reserved(device)
-    reserve = CUDA_OVERHEAD_BYTES + activation_reserve_bytes(
-        model, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, dtype.itemsize)
-    budget = cuda_kv_budget_bytes(total, reserved, free, reserve, cache.gpu_memory_fraction)
-    if budget < per_block:
-        gib = 2**30
-        raise ValueError(
-            f"the KV cache budget on {device} holds no block: gpu_memory_fraction "
-            f"{cache.gpu_memory_fraction} of {total / gib:.2f} GiB, minus {reserved / gib:.2f} "
-            f"GiB this process holds (weights), minus a {reserve / gib:.2f} GiB activation "
-            f"reserve, within {free / gib:.2f} GiB free, leaves {budget} bytes; one block needs "
-            f"{per_block} bytes (raise gpu_memory_fraction, lower max_num_batched_tokens, or "
-            f"set kv_cache_gb)")
-    return budget // per_block
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
                  dtype: str, max_model_len: int):
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Events, CUDA-graph capture and Triton launches use the current device: a worker
+            # on cuda:N must not run them on cuda:0.
+            torch.cuda.set_device(self.device)
         self.dtype = DTYPES[dtype]
         self.block_size = config.cache.block_size
         weights = load_weights(model_path, model_config, self.dtype, self.device)
@@ -167,7 +75,7 @@ class ModelRunner:
         self.model = LlamaModel(model_config, weights, max_positions=max_model_len,
                                 fused=config.fused_kernels)
         self.num_blocks = num_kv_blocks(config.cache, model_config, self.dtype, self.device,
-                                        config.scheduler)
+                                        config.scheduler, graphs=config.cuda_graphs)
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  model_config.num_kv_heads, model_config.head_dim)
         self.kv_buffer = allocate_kv_buffer(shape, self.dtype, self.device,
@@ -216,10 +124,28 @@ class ModelRunner:
         """Queue a step's forward and sampling without reading anything back (async
         scheduling); tokens still pending from `previous` are taken on the device."""
         step = self.prepare_inputs(out, previous)
-        return LaunchedStep(step, self._forward_and_sample(step))
+        return self._launched(step)
+
+    def _launched(self, step: PreparedStep) -> LaunchedStep:
+        samples = self._forward_and_sample(step)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        return LaunchedStep(step, samples, done)
+
+    def wait_idle(self) -> None:
+        """Wait until every step queued on the device has run (best effort: after a failure)."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:  # a broken device: nothing will run on it any more
+                pass
 
     def collect(self, launched: LaunchedStep) -> StepResult:
         """The step's one host read; results in SchedulerOutput order."""
+        if launched.done is not None:
+            launched.done.synchronize()
         tokens, logprobs = launched.samples.read() if launched.samples else ([], [])
         step = launched.step
         sampled: list[int | None] = [None] * len(step.items)
@@ -272,7 +198,7 @@ class ModelRunner:
 
     def run(self, step: PreparedStep) -> StepResult:
         """The forward pass and sampling; results in SchedulerOutput order."""
-        return self.collect(LaunchedStep(step, self._forward_and_sample(step)))
+        return self.collect(self._launched(step))
 
     def _forward_and_sample(self, step: PreparedStep) -> DeviceSamples | None:
         if step.graph_bucket is not None:

@@ -76,7 +76,7 @@ class Sampler:
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(packed.device))
         return DeviceSamples(tokens, wanted, host, ready)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch,

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-import engine.model_runner as model_runner
+import engine.kv_sizing as kv_sizing
 from engine.config import CacheConfig, ModelConfig, RopeConfig, SchedulerConfig, kv_bytes_per_block
 from router.__main__ import _parser, launch_spec, main
 from router.gpus import GpuError, GpuSlot, assign_gpus, place_worker, share_of, visible_gpus
@@ -245,7 +245,7 @@ MODEL = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_siz
 
 
 def test_cuda_budget_arithmetic():
-    budget = model_runner.cuda_kv_budget_bytes
+    budget = kv_sizing.cuda_kv_budget_bytes
     # 0.9 x 80 GiB = 72 GiB, minus 1 GiB of weights and a 2 GiB reserve
     assert budget(80 * GIB, 1 * GIB, 78 * GIB, 2 * GIB, 0.9) == int(0.9 * 80 * GIB) - 3 * GIB
     # other workers on the GPU hold most of it: only the free memory (less the reserve) is used
@@ -254,7 +254,7 @@ def test_cuda_budget_arithmetic():
 
 
 def test_activation_reserve_follows_tokens_and_model_shape():
-    reserve = model_runner.activation_reserve_bytes
+    reserve = kv_sizing.activation_reserve_bytes
     # widest: MLP 4 x 128 = 512 vs attention (4 + 4) x 16 + 4 x 64 = 384; per token
     # 2 x (3 x 64 + 512) + 8 x 64 = 1920 bytes, doubled; logits: min(512, 64) rows x 1000 x 34
     assert reserve(MODEL, 512, 64, 2) == 2 * 512 * 1920 + 64 * 1000 * 34
@@ -271,28 +271,32 @@ def test_num_kv_blocks_on_a_faked_gpu(monkeypatch):
     fake_gpu(monkeypatch, free=70 * GIB, total=80 * GIB, reserved=1 * GIB)
     cache = CacheConfig(gpu_memory_fraction=0.45)
     scheduler = SchedulerConfig(max_num_batched_tokens=2048)
-    reserve = (model_runner.CUDA_OVERHEAD_BYTES
-               + model_runner.activation_reserve_bytes(MODEL, 2048, 64, 2))
+    reserve = (kv_sizing.CUDA_OVERHEAD_BYTES
+               + kv_sizing.activation_reserve_bytes(MODEL, 2048, 64, 2))
     per_block = kv_bytes_per_block(MODEL, 16, 2)
-    blocks = model_runner.num_kv_blocks(cache, MODEL, torch.bfloat16, torch.device("cuda:1"),
-                                        scheduler)
+    blocks = kv_sizing.num_kv_blocks(cache, MODEL, torch.bfloat16, torch.device("cuda:1"),
+                                     scheduler)
     assert blocks == (int(0.45 * 80 * GIB) - 1 * GIB - reserve) // per_block
+    graphs_pool = kv_sizing.activation_reserve_bytes(MODEL, 64, 64, 2)  # the largest bucket
+    assert kv_sizing.num_kv_blocks(cache, MODEL, torch.bfloat16, torch.device("cuda:1"),
+                                   scheduler, graphs=True) == \
+        (int(0.45 * 80 * GIB) - 1 * GIB - reserve - graphs_pool) // per_block
     # kv_cache_gb and num_blocks still win on CUDA
-    assert model_runner.num_kv_blocks(CacheConfig(kv_cache_gb=1.0), MODEL, torch.bfloat16,
-                                      torch.device("cuda:0")) == GIB // per_block
-    assert model_runner.num_kv_blocks(CacheConfig(num_blocks=7), MODEL, torch.bfloat16,
-                                      torch.device("cuda:0")) == 7
+    assert kv_sizing.num_kv_blocks(CacheConfig(kv_cache_gb=1.0), MODEL, torch.bfloat16,
+                                   torch.device("cuda:0")) == GIB // per_block
+    assert kv_sizing.num_kv_blocks(CacheConfig(num_blocks=7), MODEL, torch.bfloat16,
+                                   torch.device("cuda:0")) == 7
     fake_gpu(monkeypatch, free=3 * GIB, total=4 * GIB, reserved=1 * GIB)
     with pytest.raises(ValueError, match="holds no block: gpu_memory_fraction 0.1 of 4.00 GiB"):
-        model_runner.num_kv_blocks(CacheConfig(gpu_memory_fraction=0.1), MODEL, torch.bfloat16,
-                                   torch.device("cuda:0"))
+        kv_sizing.num_kv_blocks(CacheConfig(gpu_memory_fraction=0.1), MODEL, torch.bfloat16,
+                                torch.device("cuda:0"))
 
 
 def test_cpu_keeps_the_fixed_default():
     per_block = kv_bytes_per_block(MODEL, 16, 4)
     for cache in (CacheConfig(), CacheConfig(gpu_memory_fraction=0.1)):
-        assert model_runner.num_kv_blocks(cache, MODEL, torch.float32,
-                                          torch.device("cpu")) == GIB // per_block
+        assert kv_sizing.num_kv_blocks(cache, MODEL, torch.float32,
+                                       torch.device("cpu")) == GIB // per_block
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.96, -0.5])
