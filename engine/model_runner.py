@@ -86,6 +86,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.attention.name == "triton" and self.device.type == "cuda":
             self._warm_up(model_config)
+            if config.fused_kernels:
+                self.warm_up_model()
         if config.cuda_graphs:
             self.enable_decode_graphs(config.scheduler.max_num_seqs, max_model_len, capture=True)
 
@@ -116,6 +118,24 @@ class ModelRunner:
 
         warm_up_attention(model_config.num_heads, model_config.num_kv_heads,
                           model_config.head_dim, self.block_size, self.dtype, self.device)
+
+    def warm_up_model(self) -> None:
+        """One forward of the whole model that writes no KV (every slot -1), so the fused
+        element-wise Triton kernels compile at start, not in the first request (their variants do
+        not depend on the token count). Its output is garbage and dropped."""
+        dev, count = self.device, min(16, self.block_size)
+
+        def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        md = AttentionMetadata(
+            slot_mapping=ints([-1] * count, torch.int64), block_table=ints([[0]]),
+            seq_lens=ints([count]), query_start_loc=ints([0, count]), max_query_len=count,
+            max_seq_len=count, query_lens_list=[count], seq_lens_list=[count])
+        self.model.forward(ints([0] * count, torch.int64), ints(list(range(count)), torch.int64),
+                           self.kv_caches, md, self.attention, ints([count - 1], torch.int64))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.run(self.prepare_inputs(out))

@@ -86,3 +86,19 @@ def test_greedy_generation_with_fused_kernels_matches_the_torch_form(tiny_llama_
                     done[out.request_id] = out.token_ids
         outputs[fused_on] = [done[str(i)] for i in range(len(prompts))]
     assert outputs[True] == outputs[False]
+
+
+def test_start_up_forward_compiles_the_fused_path_and_writes_no_kv(tiny_llama_dir):
+    """The warm-up forward that compiles the fused kernels at start (on CUDA) skips every KV
+    write: the cache is bit for bit what it was."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                    fused_kernels=True, attention_backend="triton"))
+    runner = engine.runner
+    for layer in runner.kv_caches:
+        layer.normal_()  # any content: it must survive untouched
+    before = [layer.clone() for layer in runner.kv_caches]
+    runner.warm_up_model()
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
