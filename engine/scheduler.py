@@ -3,12 +3,8 @@
 Each step assigns a number of tokens to each request under `max_num_batched_tokens` and
 `max_num_seqs`: running requests first (decodes and unfinished prefill chunks), then chunks of
 waiting prompts fill what is left. Prefill chunks, prefix-cache hits and KV that arrives from
-another worker are all jumps of `num_computed_tokens`.
-
-Queue order (`SchedulerConfig.queue_policy`): "fcfs" serves prompts in arrival order. With
-"short_first", after every running decode, prompts with the fewest tokens left to compute go
-first — running prefills and waiting prompts alike — unless older than `queue_age_bound_s`
-(then oldest first); preempted requests are readmitted before anything else, as with fcfs."""
+another worker are all jumps of `num_computed_tokens`. The order requests are served in is
+engine.queue_order's (`SchedulerConfig.queue_policy`)."""
 
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.queue_order import running_order, waiting_order
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -133,7 +130,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = self.clock()
-        first, later = self._running_order(now)
+        first, later = running_order(self.running, self.waiting, self.config, now)
         budget = self._schedule_running(out, first, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget, now)
@@ -141,36 +138,8 @@ class Scheduler:
             self._schedule_running(out, later, budget)
         return out
 
-
     def _chunk(self, remaining: int, budget: int) -> int:
         return min(remaining, budget, self.config.chunk_limit)
-
-    def _urgency(self, request: Request, now: float) -> tuple[int, float, float]:
-        """short_first sort key: overdue requests oldest first, then fewest tokens left (ties:
-        earlier arrival). Sorts are stable, so equal keys keep their queue order."""
-        if now - request.arrival_time > self.config.queue_age_bound_s:
-            return (1, request.arrival_time, 0.0)
-        return (2, request.num_tokens - request.num_computed_tokens, request.arrival_time)
-
-    def _running_order(self, now: float) -> tuple[list[Request], list[Request]]:
-        """The order running requests get budget in: before the waiting queue, and after it
-        (short_first: running prefills that the most urgent waiting prompt outranks, so a chat
-        turn arriving during a document's chunked prefill does not wait for all of it).
-        `self.running` itself stays in admission order: preemption takes `running[-1]`."""
-        if self.config.queue_policy != "short_first":
-            return list(self.running), []
-        decodes: list[Request] = []
-        prefills: list[Request] = []
-        for request in self.running:
-            left = request.num_tokens - request.num_computed_tokens
-            (prefills if left > 1 else decodes).append(request)
-        prefills.sort(key=lambda r: self._urgency(r, now))
-        fresh = [self._urgency(r, now) for r in self.waiting if not r.num_preemptions]
-        if not fresh or len(self.running) >= self.config.max_num_seqs:
-            return decodes + prefills, []
-        best = min(fresh)
-        ahead = [r for r in prefills if self._urgency(r, now) <= best]
-        return decodes + ahead, prefills[len(ahead):]
 
     def _schedule_running(self, out: SchedulerOutput, requests: list[Request],
                           budget: int) -> int:
@@ -212,20 +181,13 @@ class Scheduler:
                 return item.num_tokens
         return 0
 
-    def _waiting_order(self, now: float) -> list[Request]:
-        order = list(self.waiting)
-        if self.config.queue_policy == "short_first":
-            # Preempted requests sit at the front of the queue (`_preempt`) and stay first.
-            order.sort(key=lambda r: (0, 0.0, 0.0) if r.num_preemptions else self._urgency(r, now))
-        return order
-
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Admit waiting requests into what is left of the budget; returns what is left then."""
         if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget  # before ordering: short_first sorts the whole queue
         bm = self.block_manager
         admitted = 0
-        for request in self._waiting_order(now):
+        for request in waiting_order(self.waiting, self.config, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             hits = bm.find_cached_prefix(request) if not request.block_ids else []

@@ -32,7 +32,7 @@ def test_engine_imports_no_other_project_package_nor_grpc_or_ray():
 
 
 def test_bookkeeping_modules_import_no_torch():
-    for name in ("request", "block_manager", "scheduler", "config", "tokenizer"):
+    for name in ("request", "block_manager", "scheduler", "queue_order", "config", "tokenizer"):
         assert "torch" not in imports_of(ROOT / "engine" / f"{name}.py"), name
 
 
