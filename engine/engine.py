@@ -188,19 +188,17 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, None
         try:
             out = self.scheduler.schedule()
-            if out.is_empty:
-                self.scheduler.in_flight = set()
-            else:
+            if not out.is_empty:
                 _note_first_scheduled(out)
                 self._in_flight = (out, self.runner.launch(out, previous and previous[1]))
-                self.scheduler.mark_launched(out)
+            self.scheduler.mark_launched(out)  # an empty step: nothing is in flight any more
             if previous is None:
                 return []
             result = self.runner.collect(previous[1])
         except Exception:  # the caller fails the requests: none may keep blocks held, and none
             self.runner.wait_idle()  # may be freed while steps launched before still run
             self._in_flight = None
-            self.scheduler.in_flight = set()
+            self.scheduler.mark_launched(SchedulerOutput())
             self.scheduler.release_held()
             raise
         self.scheduler.release_held()  # step N is done: nothing writes their blocks any more

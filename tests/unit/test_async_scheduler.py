@@ -45,12 +45,8 @@ def async_step(s: Scheduler, device: FakeDevice,
                flight: tuple[SchedulerOutput, list[int | None]] | None
                ) -> tuple[SchedulerOutput, list[int | None]] | None:
     out = s.schedule()
-    launched = None
-    if out.is_empty:
-        s.in_flight = set()
-    else:
-        launched = (out, device.launch(out))
-        s.mark_launched(out)
+    launched = None if out.is_empty else (out, device.launch(out))
+    s.mark_launched(out)
     if flight is not None:
         device.read(*flight)
         s.release_held()
@@ -115,7 +111,7 @@ def test_a_request_finished_while_its_next_step_runs_keeps_its_blocks_until_that
     assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.LENGTH
     assert r.block_ids and list(s.held_requests) == [r], "the step in flight still writes"
     device.read(out, launched)
-    s.in_flight = set()
+    s.mark_launched(SchedulerOutput())  # nothing in flight any more
     s.release_held()
     assert not r.block_ids and s.block_manager.num_free_blocks == 16
 
