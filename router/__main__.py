@@ -19,12 +19,20 @@ if TYPE_CHECKING:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from serving.tls import add_cluster_tls_args
-
     parser = argparse.ArgumentParser(prog="python -m router", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the router alone")
+    _add_serve_args(sub.add_parser("serve", help="run the router alone"))
+    _add_launch_args(sub.add_parser("launch", help="run router + workers locally"))
+    _add_client_args(sub.add_parser("client", help="stream a generation"))
+    _add_certs_args(sub.add_parser("certs", help="write a throwaway CA and server certificate"))
+    _add_plan_args(sub.add_parser("plan", help="recommend a P:D split for a workload and SLO"))
+    return parser
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    from serving.tls import add_cluster_tls_args
+
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--model", default="default")
@@ -50,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
     _add_placement_args(serve)
-    launch = sub.add_parser("launch", help="run router + workers locally")
+
+
+def _add_launch_args(launch: argparse.ArgumentParser) -> None:
+    from serving.tls import add_cluster_tls_args
+
     launch.add_argument("--prefill", type=int, default=1)
     launch.add_argument("--decode", type=int, default=1)
     launch.add_argument("--colocated", type=int, default=0,
@@ -77,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                              "first time)")
     _add_gpu_args(launch)
     _add_placement_args(launch)
-    client = sub.add_parser("client", help="stream a generation")
+
+
+def _add_client_args(client: argparse.ArgumentParser) -> None:
     client.add_argument("prompt", nargs="?", default=None)
     client.add_argument("--chat", default=None, help="a user message (chat template applied)")
     client.add_argument("--address", default="127.0.0.1:50051")
@@ -86,12 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--seed", type=int, default=None)
     client.add_argument("--timeout-s", type=float, default=120.0)
     client.add_argument("--tls-ca", default=None, help="the router's CA (a router with TLS)")
-    certs = sub.add_parser("certs", help="write a throwaway CA and server certificate")
+
+
+def _add_certs_args(certs: argparse.ArgumentParser) -> None:
     certs.add_argument("--out", type=Path, required=True)
     certs.add_argument("--hosts", default="127.0.0.1,localhost",
                        help="names and addresses the router is reached at (comma-separated)")
-    _add_plan_args(sub.add_parser("plan", help="recommend a P:D split for a workload and SLO"))
-    return parser
 
 
 def _add_tls_args(parser: argparse.ArgumentParser, server: bool) -> None:

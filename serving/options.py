@@ -121,6 +121,40 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     if role == "decode":
         parser.add_argument("--colocated", action="store_true",
                             help="also prefill: one worker does both (the baseline)")
+    _add_process_args(parser)
+    _add_scheduler_args(parser)
+    _add_transfer_args(parser)
+    _add_security_args(parser)
+    _add_device_args(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "colocated", False):
+        role = "colocated"
+    try:
+        return _options(role, args)
+    except ValueError as exc:  # a bad value or token file: a usage error, not a traceback
+        parser.error(str(exc))
+
+
+def _options(role: str, args: argparse.Namespace) -> WorkerOptions:
+    return WorkerOptions(
+        role=role, router=args.router, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
+        device=args.device,
+        kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+        queue_policy=args.queue_policy, queue_age_bound_s=args.queue_age_bound_s,
+        prefill_chunk_size=args.prefill_chunk_size,
+        threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
+        transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
+        metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
+        kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
+        gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
+        fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
+        cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
+        cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
+
+
+def _add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="router address host:port")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
@@ -128,20 +162,28 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
     parser.add_argument("--model", default="default", help="'default' or a local HF directory")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=None)
-    _add_scheduler_args(parser)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--worker-id", default="")
-    parser.add_argument("--lease-s", type=float, default=30.0)
-    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="on SIGTERM: seconds accepted work may take to finish")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port (0: any free port, shown at start)")
     parser.add_argument("--max-queued-requests", type=int, default=1024)
+
+
+def _add_transfer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lease-s", type=float, default=30.0)
+    parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
     parser.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
                         help="how KV moves between prefill and decode workers: shared (one-sided "
                              "writes into the peer's cache, same host only), dist (torch."
                              "distributed pair groups), auto (shared on one host, else dist)")
+    parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
+                        help="prefill: ship each chunk's KV to the decode worker while the next "
+                             "chunks compute (off: all after the prompt)")
+
+
+def _add_security_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster-token-file", default=None,
                         help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN); "
                              "internal RPCs without it are refused")
@@ -149,32 +191,6 @@ def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions
                         help="PEM CA to check the router's TLS certificate with (when the "
                              "router runs with --tls-cert)")
     add_cluster_tls_args(parser)
-    parser.add_argument("--kv-streaming", default="on", choices=["on", "off"],
-                        help="prefill: ship each chunk's KV to the decode worker while the next "
-                             "chunks compute (off: all after the prompt)")
-    _add_device_args(parser)
-    args = parser.parse_args(argv)
-    if getattr(args, "colocated", False):
-        role = "colocated"
-    try:
-        return WorkerOptions(
-            role=role, router=args.router, host=args.host, port=args.port,
-            advertise_host=args.advertise_host, model=args.model, dtype=args.dtype,
-            device=args.device,
-            kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-            queue_policy=args.queue_policy, queue_age_bound_s=args.queue_age_bound_s,
-            prefill_chunk_size=args.prefill_chunk_size,
-            threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
-            transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
-            metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
-            kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
-            gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
-            async_scheduling=args.async_scheduling,
-            fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
-            cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
-            cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
-    except ValueError as exc:  # a bad value or token file: a usage error, not a traceback
-        parser.error(str(exc))
 
 
 def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
