@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -30,18 +29,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import DEFAULT_WORKLOAD
+from benchmarks.random_checkpoint import SHAPES, write_checkpoint
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "smol135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-}
-VOCAB = 49152  # the default tokenizer's
 OURS = {"ours_eager": {}, "ours_async": {"async_scheduling": True},
         "ours_graphs": {"cuda_graphs": True},
         "ours_graphs_async": {"cuda_graphs": True, "async_scheduling": True},
@@ -49,53 +38,6 @@ OURS = {"ours_eager": {}, "ours_async": {"async_scheduling": True},
                                     "fused_kernels": True}}
 PEERS = ("hf_static", "hf_generate_batch")
 STATIC_BATCH = 32
-
-
-def write_checkpoint(shape: str, path: Path, tokenizer_dir: Path, device: str) -> Path:
-    """Random bf16 weights (std 0.02, norms 1) in HF Llama layout, written layer by layer."""
-    from safetensors.torch import save_file
-
-    if (path / "config.json").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    s = SHAPES[shape]
-    h, inter = s["hidden_size"], s["intermediate_size"]
-    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*dims: int) -> torch.Tensor:
-        return (torch.randn(*dims, generator=gen, device=device) * 0.02).bfloat16().cpu()
-
-    ones = torch.ones(h, dtype=torch.bfloat16)
-    index: dict[str, str] = {}
-    shards = [{"model.embed_tokens.weight": rand(VOCAB, h), "model.norm.weight": ones}]
-    if not s["tie_word_embeddings"]:
-        shards[0]["lm_head.weight"] = rand(VOCAB, h)
-    for layer in range(s["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shards.append({p + "self_attn.q_proj.weight": rand(h, h),
-                       p + "self_attn.k_proj.weight": rand(kv, h),
-                       p + "self_attn.v_proj.weight": rand(kv, h),
-                       p + "self_attn.o_proj.weight": rand(h, h),
-                       p + "mlp.gate_proj.weight": rand(inter, h),
-                       p + "mlp.up_proj.weight": rand(inter, h),
-                       p + "mlp.down_proj.weight": rand(h, inter),
-                       p + "input_layernorm.weight": ones.clone(),
-                       p + "post_attention_layernorm.weight": ones.clone()})
-    for i, shard in enumerate(shards):
-        name = f"model-{i:05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        index.update(dict.fromkeys(shard, name))
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": index}))
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB,
-                  max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                  bos_token_id=1, eos_token_id=2, hidden_act="silu", torch_dtype="bfloat16", **s)
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 def workload(path: str, requests: int, max_tokens_cap: int | None = None

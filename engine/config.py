@@ -226,9 +226,7 @@ class SchedulerConfig:
     CUDA_DEFAULTS = {"max_num_batched_tokens": 8192, "max_num_seqs": 256}
 
     @classmethod
-    def for_device(
-        cls, device: str, **overrides: int | float | str | None
-    ) -> SchedulerConfig:
+    def for_device(cls, device: str, **overrides: int | float | str | None) -> SchedulerConfig:
         """The defaults sized for `device` ("cpu" or "cuda[:N]"), with the given fields (those
         not None) overriding them."""
         values = dict(cls.CUDA_DEFAULTS) if device.startswith("cuda") else {}
