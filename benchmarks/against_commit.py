@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEFAULT_WORKLOAD
+from benchmarks.common import DEFAULT_WORKLOAD, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['median']['earlier']:.2f}, {report['head']} {report['median']['this']:.2f}, "
           f"ratio {report['ratio']:.3f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
     return 0
 
 
