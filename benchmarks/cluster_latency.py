@@ -29,9 +29,10 @@ TOPOLOGIES = {"1p1d": dict(prefill=1, decode=1), "2p2d": dict(prefill=2, decode=
 def prompts(n: int) -> list[list[int]]:
     import json
 
-    shared = Path(__file__).resolve().parents[2] / "shared" / "bench"
-    offline = [json.loads(x)["prompt_token_ids"] for x in (shared / "offline_mixed.jsonl").open()]
-    online = [json.loads(x)["prompt_token_ids"] for x in (shared / "online_mixed.jsonl").open()]
+    from loadtest.workloads import OFFLINE_MIXED, ONLINE_MIXED
+
+    offline = [json.loads(x)["prompt_token_ids"] for x in OFFLINE_MIXED.open()]
+    online = [json.loads(x)["prompt_token_ids"] for x in ONLINE_MIXED.open()]
     lengths = [3, 12, 17, 31, 48, 64, 100, 128, 150, 200, 256, 300, 333, 380, 400, 440]
     picked = [offline[i % len(offline)][:lengths[i % len(lengths)]] for i in range(n - 1)]
     return picked + [max(online, key=len)]

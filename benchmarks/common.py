@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-# ../shared beside the repository, as in CI.
-SHARED_BENCH = Path(__file__).resolve().parents[2] / "shared" / "bench"
-DEFAULT_WORKLOAD = str(SHARED_BENCH / "offline_mixed.jsonl")
+from loadtest.workloads import OFFLINE_MIXED
+
+DEFAULT_WORKLOAD = str(OFFLINE_MIXED)
 PERCENTILES = (50, 90, 99)
 
 Row = dict[str, Any]

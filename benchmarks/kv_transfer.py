@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import SHARED_BENCH, replace_marked
+from benchmarks.common import replace_marked
+from loadtest.workloads import OFFLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import ClusterSpec, LocalCluster
@@ -59,7 +60,7 @@ class Sample:
 
 def text_tokens() -> list[int]:
     """Every prompt of the offline workload, concatenated: real text token ids."""
-    rows = (SHARED_BENCH / "offline_mixed.jsonl").read_text().splitlines()
+    rows = OFFLINE_MIXED.read_text().splitlines()
     return [t for line in rows if line.strip() for t in json.loads(line)["prompt_token_ids"]]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 
+from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import ClusterSpec, LocalCluster
@@ -35,7 +36,7 @@ from serving.grpc_server import channel
 TOPOLOGIES = {"1p1d": dict(prefill=1, decode=1), "colocated2": dict(prefill=0, decode=0,
                                                                     colocated=2),
               "colocated1": dict(prefill=0, decode=0, colocated=1)}
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "online_mixed.jsonl"
+WORKLOAD = ONLINE_MIXED
 
 
 @dataclass

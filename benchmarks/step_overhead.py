@@ -14,13 +14,13 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
+from loadtest.workloads import OFFLINE_MIXED
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "offline_mixed.jsonl"
+WORKLOAD = OFFLINE_MIXED
 
 
 def kv_waste(engine: LLMEngine) -> float:

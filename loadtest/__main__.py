@@ -18,8 +18,9 @@ from loadtest.shapes import SHAPES, ShapeSpec
 from loadtest.slo import SLO
 from loadtest.workload import DEFAULT_WORKLOAD
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
+PACKAGE_DIR = Path(__file__).resolve().parent  # a checkout's loadtest/, or an installed one
+LOCUSTFILE = PACKAGE_DIR / "locustfile.py"
+DEFAULT_SLO = PACKAGE_DIR / "slo.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--api", default="grpc", choices=["grpc", "http"],
                        help="the router's gRPC API, or its OpenAI-compatible HTTP API (run: "
                             "--address is then the HTTP address, e.g. 127.0.0.1:8000)")
-        p.add_argument("--slo", default=str(REPO_ROOT / "loadtest" / "slo.yaml"))
-        p.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+        p.add_argument("--slo", default=str(DEFAULT_SLO), help="SLO file (default: %(default)s)")
+        p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                       help="JSONL workload (default: the shipped %(default)s)")
         p.add_argument("--shape", default="constant", choices=SHAPES)
         p.add_argument("--users", type=int, default=4)
         p.add_argument("--spawn-rate", type=float, default=4.0)
@@ -71,7 +73,7 @@ def run_locust(args: argparse.Namespace, address: str) -> int:
     SLO.from_yaml(args.slo)
     bound_s = args.duration_s + args.request_timeout_s + 60
     try:
-        return subprocess.run(locust_command(args, address), cwd=REPO_ROOT,
+        return subprocess.run(locust_command(args, address), cwd=PACKAGE_DIR.parent,
                               timeout=bound_s).returncode
     except subprocess.TimeoutExpired:
         print(f"locust did not end within {bound_s:.0f}s", file=sys.stderr)

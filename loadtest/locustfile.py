@@ -15,6 +15,7 @@ Run it through `python -m loadtest run|local` (which passes the options below), 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gevent  # locust has already monkey-patched the standard library
 import grpc
@@ -36,7 +37,8 @@ MAX_REQUESTS_LIMIT = 100_000
 
 @events.init_command_line_parser.add_listener
 def _options(parser) -> None:  # noqa: ANN001 - locust's argparse wrapper
-    parser.add_argument("--slo", default="loadtest/slo.yaml", help="SLO file (YAML)")
+    parser.add_argument("--slo", default=str(Path(__file__).resolve().parent / "slo.yaml"),
+                        help="SLO file (YAML)")
     parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD), help="JSONL workload")
     parser.add_argument("--max-tokens-cap", type=int, default=0, help="cap output lengths")
     parser.add_argument("--max-requests", type=int, default=1000, help="stop after N requests")

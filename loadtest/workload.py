@@ -1,6 +1,6 @@
 """Prompts and output lengths of a load test, from a workload file: one JSON object per line with
-`prompt_token_ids`, `max_tokens` and optionally `ignore_eos`, such as the default
-../shared/bench/online_mixed.jsonl (80% chat turns, 20% long documents)."""
+`prompt_token_ids`, `max_tokens` and optionally `ignore_eos`, such as the default,
+the shipped loadtest/workloads/online_mixed.jsonl (80% chat turns, 20% long documents)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "bench" / "online_mixed.jsonl"
+from loadtest.workloads import ONLINE_MIXED
+
+DEFAULT_WORKLOAD = ONLINE_MIXED
 
 
 @dataclass(frozen=True)

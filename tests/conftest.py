@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from loadtest.workloads import OFFLINE_MIXED
+
 if not torch.cuda.is_available():
     # The Triton kernels run under Triton's interpreter on CPU. Triton reads this when it is
     # first imported (transformers may import it long before the kernel tests run), so it is set
     # here, before any test module loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -56,8 +57,8 @@ def tiny_llama_dir(tmp_path_factory, default_model_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def workload_prompts() -> list[list[int]]:
-    """Token ids of real text from the shared offline workload."""
-    rows = [json.loads(line) for line in (SHARED / "bench" / "offline_mixed.jsonl").open()]
+    """Token ids of real text from the project's offline workload."""
+    rows = [json.loads(line) for line in OFFLINE_MIXED.open()]
     return [r["prompt_token_ids"] for r in rows]
 
 

@@ -12,19 +12,19 @@ from pathlib import Path
 
 import grpc
 
+from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import ClusterSpec, LocalCluster
 from serving.grpc_server import channel
 
-SHARED = Path(__file__).resolve().parents[3] / "shared"
 KV_CACHE_GB = 0.25  # per worker: plenty for the tests, small enough for 4 workers on 24 GiB
 MAX_TOKENS = 12
 
 
 def long_prompt(min_tokens: int = 1400, rank: int = 0) -> list[int]:
     """The workload's longest prompt (rank 0), or the next longest with a different start."""
-    rows = [json.loads(line) for line in (SHARED / "bench" / "online_mixed.jsonl").open()]
+    rows = [json.loads(line) for line in ONLINE_MIXED.open()]
     rows.sort(key=lambda r: len(r["prompt_token_ids"]), reverse=True)
     chosen: list[list[int]] = []
     for row in rows:

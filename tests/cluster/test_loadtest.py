@@ -6,6 +6,7 @@ and `loadtest local` starts and stops its own cluster, leaving no process behind
 from __future__ import annotations
 
 import csv
+import os
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,43 @@ def test_the_http_user_streams_openai_completions_with_the_same_entries(cluster,
     for name in ("TTFT", "ITL", "E2E"):
         assert int(rows[("http", name)]["Request Count"]) > 0, name
     assert int(rows[("http", "E2E")]["Failure Count"]) == 0
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """pdserve installed as a user installs it (`pip install .`, not editable) into a directory
+    of its own; its dependencies are this environment's."""
+    target = tmp_path_factory.mktemp("installed")
+    build = tmp_path_factory.mktemp("source")
+    shutil.copytree(REPO_ROOT, build / "pdserve", ignore=shutil.ignore_patterns(
+        ".venv", ".git", "__pycache__", "*.egg-info", "build", "logs"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(target), str(build / "pdserve")],
+                   check=True, capture_output=True, timeout=300)
+    return target
+
+
+def _installed_loadtest(installed: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(installed), "COLUMNS": "1000"}  # help on one line
+    return subprocess.run([sys.executable, "-m", "loadtest", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_an_installed_loadtest_runs_its_default_workload_from_anywhere(cluster, installed,
+                                                                       tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shown = _installed_loadtest(installed, elsewhere, "run", "--help")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert str(installed / "loadtest" / "workloads" / "online_mixed.jsonl") in shown.stdout
+    assert str(installed / "loadtest" / "slo.yaml") in shown.stdout
+    out = elsewhere / "out"
+    done = _installed_loadtest(installed, elsewhere, "run", "--address", cluster.address,
+                               "--slo", _slo(tmp_path, 60000), "--out", str(out), *LOAD)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    with (out / "locust_stats.csv").open() as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(rows["E2E"]["Request Count"]) > 0 and int(rows["E2E"]["Failure Count"]) == 0
 
 
 def test_an_impossible_slo_exits_non_zero(cluster, tmp_path):

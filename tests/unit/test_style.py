@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -19,3 +20,17 @@ def test_ruff_clean():
     result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_nothing_reads_outside_the_repository():
+    """A clone with nothing beside it must work: no code, test, script or default names the
+    workplace's ../shared (the workloads ship in loadtest/workloads/)."""
+    files = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.toml", "*.yaml", ".ci/*"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    pattern = re.compile(r"""\.\./shared|["']shared["']\s*/\s*["']bench|/work/shared""")
+    offenders = [name for name in files
+                 if name != "tests/unit/test_style.py" and (ROOT / name).is_file()
+                 and pattern.search((ROOT / name).read_text())]
+    assert offenders == []
