@@ -139,8 +139,9 @@ class DecodeWorker:
             log.warning("refused a KV piece of %s from %s: its bytes do not match their MAC",
                         rid, sender_id)
             raise
-        except TransferError:
+        except TransferError as exc:
             self.metrics.transfer_failed("received", "dist")
+            log.warning("receiving KV of %s from %s failed: %s", rid, sender_id, exc)
             raise
         finally:
             if outcome == "refused":
@@ -174,6 +175,7 @@ class DecodeWorker:
             self.metrics.transfer("received", num_bytes, seconds, "shared")
         elif not ok:
             self.metrics.transfer_failed("received", "shared")
+            log.warning("the KV write of %s by %s failed", request_id, writer)
         return held
 
     def writer_gone(self, writer: str) -> None:

@@ -49,8 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
-            if not (0 <= self.seed < 2**63):
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            if not (0 <= self.seed < 2**64):
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not (0 <= self.logprobs <= self.MAX_LOGPROBS):

@@ -20,7 +20,7 @@ from serving.convert import (
     stop_reason_to_proto,
 )
 from serving.gate import QueueFull
-from serving.grpc_server import internal_channel
+from serving.grpc_server import call_budget_s, internal_channel
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
 DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline
@@ -69,8 +69,7 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext
                 ) -> pb.PrefillResponse:
         self.gate.check_new(context, "Prefill")
-        remaining = context.time_remaining()
-        timeout_s = DEFAULT_TIMEOUT_S if remaining is None else max(0.0, remaining)
+        timeout_s = call_budget_s(context.time_remaining(), DEFAULT_TIMEOUT_S)
         target = _target(request)
         try:
             result = self.worker.prefill(request.request_id, list(request.prompt_token_ids),

@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from serving.logs import add_logging_args, configure_logging
 
 if TYPE_CHECKING:
     from router.launch import ClusterSpec
@@ -57,6 +58,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     add_cluster_tls_args(serve)
     serve.add_argument("--grace-s", type=float, default=30.0,
                        help="on SIGTERM: seconds in-flight streams may take to finish")
+    add_logging_args(serve)
     _add_placement_args(serve)
 
 
@@ -87,6 +89,7 @@ def _add_launch_args(launch: argparse.ArgumentParser) -> None:
                         help="secure mode in one flag: TLS, mutual TLS and a cluster token from "
                              "the throwaway CA, certificate and token kept in DIR (written the "
                              "first time)")
+    add_logging_args(launch)
     _add_gpu_args(launch)
     _add_placement_args(launch)
 
@@ -166,6 +169,9 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
                              "(short_first: fewest prompt tokens, within the age bound)")
     parser.add_argument("--queue-age-bound-s", type=float, default=4.0,
                         help="short_first: a request queued longer than this goes first")
+    parser.add_argument("--default-timeout-s", type=float, default=600.0,
+                        help="the deadline of a request whose client set none (gRPC without a "
+                             "deadline, HTTP without X-Request-Timeout)")
 
 
 def placement_options(args: argparse.Namespace) -> dict[str, object]:
@@ -175,7 +181,8 @@ def placement_options(args: argparse.Namespace) -> dict[str, object]:
     return {"cache_aware": args.placement == "cache-aware",
             "local_prefill": PrefillSiteConfig(args.local_prefill,
                                                args.local_prefill_max_tokens),
-            "queue_policy": args.queue_policy, "queue_age_bound_s": args.queue_age_bound_s}
+            "queue_policy": args.queue_policy, "queue_age_bound_s": args.queue_age_bound_s,
+            "default_timeout_s": args.default_timeout_s}
 
 
 def placement_argv(args: argparse.Namespace) -> tuple[str, ...]:
@@ -183,7 +190,7 @@ def placement_argv(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--placement", args.placement, "--local-prefill", args.local_prefill,
             "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--queue-policy", args.queue_policy, "--queue-age-bound-s",
-            str(args.queue_age_bound_s))
+            str(args.queue_age_bound_s), "--default-timeout-s", str(args.default_timeout_s))
 
 
 def launch_spec(args: argparse.Namespace) -> ClusterSpec:
@@ -209,7 +216,8 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
-                       http_port=args.http_port, **credentials)
+                       http_port=args.http_port, log_level=args.log_level,
+                       log_format=args.log_format, **credentials)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -273,7 +281,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
     from router.gpus import GpuError
 
     command = {"serve": _serve, "launch": _launch, "certs": _certs, "plan": _plan,

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-DEFAULT_TIMEOUT_S = 600.0  # a client that sends no deadline still gets a bounded request
+DEFAULT_TIMEOUT_S = 600.0  # a client that sends no deadline gets this (--default-timeout-s)
 # The client's clock starts before ours, so its deadline fires (and cancels the call) a moment
 # before our copy of it: a cancel this close to the deadline is the deadline.
 DEADLINE_SLACK_S = 0.25
@@ -76,9 +76,9 @@ class LostWorkers:
 
 
 class CallScope:
-    def __init__(self, time_remaining_s: float | None, lost: LostWorkers | None = None):
-        budget = DEFAULT_TIMEOUT_S if time_remaining_s is None else time_remaining_s
-        self.deadline = time.monotonic() + budget
+    def __init__(self, budget_s: float, lost: LostWorkers | None = None):
+        """`budget_s`: the seconds the request may take (serving.grpc_server.call_budget_s)."""
+        self.deadline = time.monotonic() + budget_s
         self.cancelled = threading.Event()
         self.lost = lost  # the router's, set by the orchestrator: calls to workers it abandons
         self._calls: list[Any] = []

@@ -3,17 +3,23 @@ Every error is a ValueError whose message names the field and its limit."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
 from engine.request import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
+from router.limits import (
+    CHAT_ROLES,
+    MAX_CHAT_MESSAGES,
+    MAX_REQUEST_ID_CHARS,
+    check_sampling,
+    check_text,
+)
 from serving.convert import sampling_from_proto
-
-MAX_REQUEST_ID_CHARS = 128
-MAX_PROMPT_CHARS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -31,30 +37,22 @@ class Frontend:
         self.model_config = model_config
         self.model_name = model_name
 
-    def parse(self, request: pb.GenerateRequest, arrival: float) -> Job:
+    def parse(self, request: pb.GenerateRequest, arrival: float, rest_of_context: bool = False
+              ) -> Job:
+        """The request as a Job; `rest_of_context`: max_tokens, when not set, is the rest of the
+        model's context after the prompt (OpenAI chat's default, as vLLM does)."""
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id is {len(request.request_id)} chars; the limit is "
                              f"{MAX_REQUEST_ID_CHARS}")
         if request.model and request.model != self.model_name:
             raise ValueError(f"model {request.model!r} is not served here; this cluster serves "
                              f"{self.model_name!r}")
-        token_ids = self._tokens(request)
-        try:
-            params = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            message = str(exc)
-            raise ValueError(message if message.startswith("sampling.")
-                             else f"sampling.{message}") from None
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary "
-                             f"[0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"sampling.stop_token_ids contains {bad}, outside the vocabulary "
-                             f"[0, {vocab})")
+        params = self._sampling(request.sampling)
+        token_ids = self._tokens(request)  # after every check that needs no tokenizer
+        self._check_ids("prompt_token_ids", token_ids)
         limit = self.model_config.max_position_embeddings
+        if rest_of_context and not request.sampling.HasField("max_tokens"):
+            params = dataclasses.replace(params, max_tokens=max(1, limit - len(token_ids)))
         total = len(token_ids) + params.max_tokens
         if total > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens})"
@@ -62,18 +60,31 @@ class Frontend:
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         return Job(rid, f"{rid}#{uuid.uuid4().hex[:8]}", token_ids, params, arrival)
 
-    def tokens(self, request: pb.GenerateRequest) -> list[int]:
-        """The prompt's token ids (ValueError naming the field when it has none)."""
-        return self._tokens(request)
+    def _sampling(self, options: pb.SamplingOptions) -> SamplingParams:
+        try:
+            params = sampling_from_proto(options)
+            check_sampling(params)
+        except ValueError as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("sampling.")
+                             else f"sampling.{message}") from None
+        check_text("sampling.stop", sum(len(s) for s in params.stop),
+                   sum(len(s.encode()) for s in params.stop))
+        self._check_ids("sampling.stop_token_ids", params.stop_token_ids)
+        return params
+
+    def _check_ids(self, field: str, token_ids: Sequence[int]) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{field} contains {bad}, outside the vocabulary [0, {vocab})")
 
     def _tokens(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "prompt":
             if not request.prompt:
                 raise ValueError("prompt must not be empty")
-            if len(request.prompt) > MAX_PROMPT_CHARS:
-                raise ValueError(f"prompt is {len(request.prompt)} chars; the limit is "
-                                 f"{MAX_PROMPT_CHARS}")
+            check_text("prompt", len(request.prompt), len(request.prompt.encode()))
             ids = self.tokenizer.encode(request.prompt)
         elif kind == "prompt_token_ids":
             ids = list(request.prompt_token_ids.ids)
@@ -88,13 +99,30 @@ class Frontend:
     def _chat(self, chat: pb.ChatMessages) -> list[int]:
         if not chat.messages:
             raise ValueError("chat.messages must hold at least one message")
-        messages = []
-        for i, m in enumerate(chat.messages):
-            if m.role not in ("system", "user", "assistant"):
-                raise ValueError(f"chat.messages[{i}].role must be system, user or assistant, "
-                                 f"got {m.role!r}")
-            messages.append({"role": m.role, "content": m.content})
+        if len(chat.messages) > MAX_CHAT_MESSAGES:
+            raise ValueError(f"chat.messages holds {len(chat.messages)} messages; the limit is "
+                             f"{MAX_CHAT_MESSAGES}")
+        check_text("chat", sum(len(m.content) for m in chat.messages),
+                   sum(len(m.content.encode()) for m in chat.messages))
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat([_message(i, m)
+                                               for i, m in enumerate(chat.messages)])
         except ChatTemplateError as exc:
             raise ValueError(f"chat: {exc}") from exc
+
+
+def _message(index: int, message: pb.ChatMessage) -> dict[str, str]:
+    """One turn as the chat template takes it: `developer` is system (as OpenAI treats it); a
+    `tool` turn carries the id of the call it answers."""
+    if message.role not in CHAT_ROLES:
+        raise ValueError(f"chat.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
+                         f"got {message.role!r}")
+    if message.role == "tool" and not message.tool_call_id:
+        raise ValueError(f"chat.messages[{index}].tool_call_id is required for role tool")
+    turn = {"role": "system" if message.role == "developer" else message.role,
+            "content": message.content}
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name:
+        turn["name"] = message.name
+    return turn

@@ -15,21 +15,28 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import ssl
+import sys
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve_proto import pdserve_pb2 as pb
 from router import openai_wire as wire
 from router.calls import CallScope, RouterError
 from router.registry import Role
+from router.request_log import RequestRecord
 from router.service import GenerationServicer
 
 log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.limits
+JSON_TYPE = re.compile(r"application/([\w.+-]+\+)?json")
 START_TIMEOUT_S = 30.0
 DONE = object()  # the end of a request's responses
 
@@ -55,11 +62,12 @@ class HttpApi:
         return self.port
 
     async def _start(self) -> int:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics)])
+                        web.get("/v1/models", self.models),
+                        web.get("/v1/models/{model_id:.+}", self.model),
+                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
@@ -73,11 +81,22 @@ class HttpApi:
         self._thread.join(timeout_s)
 
     # ---- plain endpoints -------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.frontend.model_name, "object": "model", "created": 0,
+                "owned_by": "pdserve",
+                "max_model_len": self.frontend.model_config.max_position_embeddings}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.frontend.model_name, "object": "model", "created": 0,
-            "owned_by": "pdserve", "max_model_len":
-                self.frontend.model_config.max_position_embeddings}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """openai's `models.retrieve(id)`."""
+        model_id = request.match_info["model_id"]
+        if model_id != self.frontend.model_name:
+            raise wire.ApiError(404, f"The model `{model_id}` does not exist; this server "
+                                f"serves `{self.frontend.model_name}`", "not_found_error",
+                                "model", "model_not_found")
+        return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         registry = self.servicer.placement.registry
@@ -99,57 +118,62 @@ class HttpApi:
         return await self._generate(request, chat=True)
 
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
+        record = RequestRecord("http")
         try:
             api = wire.parse(await _json(http), chat, self.frontend.model_name)
-            if chat and not api.max_tokens_given:
-                self._fill_context(api.request)
-            scope = CallScope(_timeout(http))
+            scope = CallScope(_timeout(http) or self.servicer.default_timeout_s)
         except wire.ApiError as exc:
-            return _error(exc)
-        code = grpc.StatusCode.CANCELLED  # unless it finishes or fails with a status
-        responses = self._run(api.request, scope)
+            record.failed(wire.grpc_code(exc.status), exc.message)
+            self.servicer.requests.finish(record)
+            raise
         try:
-            first = await anext(responses)
-            if isinstance(first, RouterError):
-                code = first.code
-                return _error(wire.ApiError.from_status(first.code, first.message))
-            reply = await (self._sse(http, api, first, responses) if api.stream
-                           else self._json_reply(api, first, responses))
-            code = grpc.StatusCode.OK
-            return reply
+            return await self._answer(http, api, scope, record)
         except (asyncio.CancelledError, ConnectionError):
             scope.cancel()  # the client went away: abort on the workers
             raise
         finally:
-            self.servicer.metrics.requests.labels(code.name).inc()
+            self.servicer.requests.finish(record, scope.expired())
 
-    def _fill_context(self, request: pb.GenerateRequest) -> None:
-        """Chat without a max: the rest of the context (what vLLM does)."""
-        try:
-            prompt = len(self.frontend.tokens(request))
-        except ValueError as exc:
-            raise wire.ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        limit = self.frontend.model_config.max_position_embeddings
-        request.sampling.max_tokens = max(1, limit - prompt)
+    async def _answer(self, http: web.Request, api: wire.ApiRequest, scope: CallScope,
+                      record: RequestRecord) -> web.StreamResponse:
+        # Chat without a max: the rest of the context (what vLLM does).
+        rest_of_context = api.chat and not api.max_tokens_given
+        responses = self._run(api.request, scope, record, rest_of_context)
+        first = await anext(responses)
+        if isinstance(first, RouterError):
+            return _error(wire.ApiError.from_status(first.code, first.message))
+        if not api.stream:  # a status sent early could not report a failure: it waits
+            return await self._json_reply(api, responses)
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                            "Cache-Control": "no-cache"})
+        await reply.prepare(http)  # accepted: the status and headers go now, not at TTFT
+        return await self._sse(reply, api, SseUsage(first.prompt_tokens), responses)
 
-    async def _run(self, request: pb.GenerateRequest, scope: CallScope
-                   ) -> AsyncIterator[pb.GenerateResponse | RouterError]:
-        """The request's responses from a thread driving GenerationServicer.stream; a
-        RouterError ends them."""
+    async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
+                   rest_of_context: bool) -> AsyncIterator[Accepted | pb.GenerateResponse
+                                                           | RouterError]:
+        """The request's responses from a thread driving GenerationServicer.stream, preceded by
+        Accepted when it gets a slot; a RouterError ends them. The prompt is tokenized there,
+        off the event loop, so a large one holds up no other request's stream."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item: object) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
         def drive() -> None:
             try:
-                for response in self.servicer.stream(request, scope):
-                    loop.call_soon_threadsafe(queue.put_nowait, response)
+                accepted = lambda job: put(Accepted(len(job.token_ids)))  # noqa: E731
+                for response in self.servicer.stream(request, scope, record, accepted,
+                                                     rest_of_context=rest_of_context):
+                    put(response)
             except RouterError as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
+                put(exc)
             except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
                 log.exception("HTTP request %s failed", request.request_id)
-                loop.call_soon_threadsafe(queue.put_nowait, RouterError(
-                    grpc.StatusCode.INTERNAL, f"internal error: {exc}"))
+                record.failed(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+                put(RouterError(grpc.StatusCode.INTERNAL, f"internal error: {exc}"))
             finally:
-                loop.call_soon_threadsafe(queue.put_nowait, DONE)
+                put(DONE)
 
         threading.Thread(target=drive, name=f"http-{request.request_id}", daemon=True).start()
         while (item := await queue.get()) is not DONE:
@@ -157,9 +181,9 @@ class HttpApi:
             if isinstance(item, RouterError):
                 return
 
-    async def _json_reply(self, api: wire.ApiRequest, first: pb.GenerateResponse,
-                          responses: AsyncIterator) -> web.Response:
-        parts = [first]
+    async def _json_reply(self, api: wire.ApiRequest, responses: AsyncIterator
+                          ) -> web.Response:
+        parts = []
         async for item in responses:
             if isinstance(item, RouterError):
                 return _error(wire.ApiError.from_status(item.code, item.message))
@@ -177,33 +201,32 @@ class HttpApi:
         body.update(choices=[choice], usage=wire.usage(last), timings=wire.timings(last))
         return web.json_response(body)
 
-    async def _sse(self, http: web.Request, api: wire.ApiRequest, first: pb.GenerateResponse,
+    async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
                    responses: AsyncIterator) -> web.StreamResponse:
-        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                            "Cache-Control": "no-cache"})
-        await reply.prepare(http)
         if api.chat:
-            await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}}))
-        item: pb.GenerateResponse | RouterError = first
+            await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}},
+                                            usage=usage.so_far() if api.continuous_usage
+                                            else None))
         offset = 0
-        while True:
+        async for item in responses:
             if isinstance(item, RouterError):
                 error = wire.ApiError.from_status(item.code, item.message)
                 await _event(reply, error.body())
                 break
-            await self._send_part(reply, api, item, offset)
+            usage.completion_tokens += len(item.token_ids)
+            await self._send_part(reply, api, item, offset,
+                                  usage.so_far() if api.continuous_usage else None)
             offset += len(item.text)
             if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 if api.include_usage:
                     await _event(reply, self._chunk(api, None, usage=wire.usage(item)))
                 break
-            item = await anext(responses)
         await reply.write(b"data: [DONE]\n\n")
         await reply.write_eof()
         return reply
 
     async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest,
-                         item: pb.GenerateResponse, offset: int) -> None:
+                         item: pb.GenerateResponse, offset: int, usage: dict | None) -> None:
         finished = item.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         if not (item.text or item.logprobs or finished):
             return  # a token that completes no character yet: nothing to say
@@ -215,7 +238,9 @@ class HttpApi:
             choice["delta"] = {"content": item.text} if item.text else {}
         else:
             choice["text"] = item.text
-        extra = {"timings": wire.timings(item)} if finished else {}
+        extra: dict[str, object] = {"timings": wire.timings(item)} if finished else {}
+        if usage is not None:
+            extra["usage"] = usage
         await _event(reply, self._chunk(api, choice, **extra))
 
     def _chunk(self, api: wire.ApiRequest, choice: dict | None, **extra: object) -> dict:
@@ -230,11 +255,64 @@ class HttpApi:
         return self.frontend.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def _json(http: web.Request) -> object:
+@dataclass(frozen=True)
+class Accepted:
+    """The request left the router's queue for a slot (its prompt is tokenized)."""
+
+    prompt_tokens: int
+
+
+@dataclass
+class SseUsage:
+    """Token counts so far, for stream_options.continuous_usage_stats (usage on every chunk)."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def so_far(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape: aiohttp's own (no such route, wrong method, a body over
+    the limit) and anything unexpected, which is logged and answered 500 with its cause."""
     try:
-        return await http.json()
+        return await handler(request)
+    except wire.ApiError as exc:
+        return _error(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(wire.ApiError(413, f"the request body is over the limit of "
+                                    f"{MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES >> 20} MiB)"
+                                    f" ({exc.text})", code="request_too_large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return _error(wire.ApiError(exc.status, f"{request.method} {request.path}: "
+                                    f"{exc.reason}", kind))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - never a bare 500
+        log.exception("HTTP %s %s failed", request.method, request.path)
+        return _error(wire.ApiError(500, f"internal error: {exc!r}", "server_error"))
+
+
+async def _json(http: web.Request) -> object:
+    """The body as JSON. A Content-Type, when sent, must be JSON (415 otherwise); a body sent
+    without one is read as JSON, as curl users expect."""
+    if http.headers.get("Content-Type") and not JSON_TYPE.fullmatch(http.content_type):
+        raise wire.ApiError(415, f"Content-Type must be application/json, got "
+                            f"{http.content_type!r}", param="Content-Type")
+    body = await http.read()
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise wire.ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        raise wire.ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise wire.ApiError(400, f"the request body nests JSON deeper than the parser allows "
+                            f"(about {sys.getrecursionlimit()} levels)") from None
 
 
 def _timeout(http: web.Request) -> float | None:

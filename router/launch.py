@@ -26,6 +26,7 @@ from router.gpus import (
     visible_gpus,
 )
 from serving.grpc_server import wait_healthy
+from serving.logs import LOG_FORMATS, LOG_LEVELS
 from serving.tls import read_ca
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,8 @@ class ClusterSpec:
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
     cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
     async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
+    log_level: str = "info"  # every process's --log-level
+    log_format: str = "text"  # every process's --log-format (text | json)
 
     def __post_init__(self) -> None:
         if min(self.prefill, self.decode, self.colocated) < 0:
@@ -76,6 +79,9 @@ class ClusterSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
+        if self.log_level not in LOG_LEVELS or self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} and "
+                             f"--log-format one of {', '.join(LOG_FORMATS)}")
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
                              f"{self.kv_transport!r}")
@@ -146,7 +152,8 @@ class LocalCluster:
             self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
                                    str(port), "--model", self.spec.model, "--http-port",
                                    str(http_port), *internal, *self._token_args(),
-                                   *self._tls_args(True), *self.spec.router_args])
+                                   *self._tls_args(True), *self._log_args(),
+                                   *self.spec.router_args])
             if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
                 raise RuntimeError(f"router did not become healthy on {self.address}")
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
@@ -178,7 +185,11 @@ class LocalCluster:
                       "--host", self.spec.host,
                       "--threads", str(self.spec.threads), "--model", self.spec.model,
                       "--worker-id", name, *extra, *self._engine_args(role), *self._gpu_args(name),
-                      *self._token_args(), *self._tls_args(False), *self.spec.worker_args]
+                      *self._token_args(), *self._tls_args(False), *self._log_args(),
+                      *self.spec.worker_args]
+
+    def _log_args(self) -> list[str]:
+        return ["--log-level", self.spec.log_level, "--log-format", self.spec.log_format]
 
     def _tls_args(self, router: bool) -> list[str]:
         """The router gets its certificate and key, the workers the CA to trust it with; every

@@ -3,25 +3,29 @@
 everything after this — validation, admission, placement — is shared), and the router's responses
 become OpenAI's JSON objects and stream chunks. Plain Python over dicts; router.http_api serves it.
 
-Fields: model, prompt (text, token ids, or a batch of one), messages (text content, or text
-parts), max_tokens / max_completion_tokens, temperature (default 1, as OpenAI's), top_p, top_k,
-seed, stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, n = 1, stream, stream_options
-.include_usage, user. Anything the cluster cannot honour (n > 1, echo, best_of, penalties,
-logit_bias, tools, suffix, a response_format other than text) is refused with 400 naming it.
+Fields: model, prompt (text, token ids, or a batch of one), messages (roles system, developer,
+user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
+temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy), top_k, seed
+(any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, n = 1, stream,
+stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
+(n > 1, echo, best_of, penalties, logit_bias, tools, suffix, a response_format other than text)
+is refused with 400 naming it.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from pydantic import ValidationError
 
 from pdserve_proto import pdserve_pb2 as pb
+from router.openai_schema import ChatRequest, CompletionRequest, UnsupportedField, describe
 
-MAX_TOP_LOGPROBS = 20
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
           pb.FINISH_REASON_ABORT: "abort"}
 # gRPC status -> (HTTP status, OpenAI error type)
@@ -34,11 +38,12 @@ HTTP_ERRORS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
     grpc.StatusCode.CANCELLED: (499, "cancelled_error"),
 }
-UNSUPPORTED = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-               "logit_bias": None, "suffix": None, "tools": None, "functions": None}
 # The gRPC API's field names in shared validation messages, as this API spells them.
 RENAMES = (("prompt_token_ids", "prompt"), ("chat.messages", "messages"), ("sampling.", ""),
            ("chat:", "messages:"))
+
+
+FIELD_NAME = re.compile(r"[a-z_]+(\[\d+\])?(\.[a-z_]+(\[\d+\])?)*")
 
 
 class ApiError(Exception):
@@ -53,11 +58,24 @@ class ApiError(Exception):
         status, kind = HTTP_ERRORS.get(code, (500, "server_error"))
         for grpc_name, http_name in RENAMES:
             message = message.replace(grpc_name, http_name)
-        return cls(status, message, kind)
+        field = message.split(" ", 1)[0]  # validation messages start with the field's name
+        param = field if status == 400 and FIELD_NAME.fullmatch(field) else None
+        return cls(status, message, kind, param)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
                           "code": self.code}}
+
+
+# HTTP status -> the gRPC code the router counts it as (pdserve_router_requests_total)
+GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+              413: grpc.StatusCode.INVALID_ARGUMENT, 415: grpc.StatusCode.INVALID_ARGUMENT,
+              429: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+              503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def grpc_code(http_status: int) -> grpc.StatusCode:
+    return GRPC_CODES.get(http_status, grpc.StatusCode.INTERNAL)
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -74,6 +92,7 @@ class ApiRequest:
     include_usage: bool
     logprobs: int | None  # None: no logprobs; k: the top k alternatives too
     max_tokens_given: bool
+    continuous_usage: bool = False  # usage on every stream chunk
 
     @property
     def id_prefix(self) -> str:
@@ -81,140 +100,77 @@ class ApiRequest:
 
 
 def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
-    """A request body (ApiError 400 naming the field and its limit, 404 for another model)."""
+    """A request body (ApiError 400 naming the field and its limit, 404 for another model).
+    Types and wire ranges are checked here (router.openai_schema); the limits both front doors
+    share are checked later, once, by the router's frontend."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "is required (a string)")
-    if model != model_name:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+    schema = ChatRequest if chat else CompletionRequest
+    try:
+        parsed = schema.model_validate(body)
+        parsed.refuse_unsupported()
+    except ValidationError as exc:
+        field, message = describe(exc)
+        raise ApiError(400, message, param=field) from None
+    except UnsupportedField as exc:
+        raise bad(exc.field, str(exc)) from None
+    if parsed.model != model_name:
+        raise ApiError(404, f"The model `{parsed.model}` does not exist; this server serves "
                        f"`{model_name}`", "not_found_error", "model", "model_not_found")
-    _refuse_unsupported(body)
     request = pb.GenerateRequest(request_id=f"{'chatcmpl' if chat else 'cmpl'}-"
-                                 f"{uuid.uuid4().hex[:24]}", model=model)
-    if chat:
-        _messages(body.get("messages"), request)
+                                 f"{uuid.uuid4().hex[:24]}", model=parsed.model)
+    if isinstance(parsed, ChatRequest):
+        for message in parsed.messages:
+            request.chat.messages.add(role=message.role, content=message.content,
+                                      tool_call_id=message.tool_call_id or "",
+                                      name=message.name or "")
+    elif isinstance(parsed.prompt, str):
+        request.prompt = parsed.prompt
     else:
-        _prompt(body.get("prompt"), request)
-    logprobs = _logprobs(body, chat)
-    request.sampling.CopyFrom(_sampling(body, chat, logprobs))
-    stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)):
-        raise bad("stream_options", "is only allowed with stream: true (an object)")
-    return ApiRequest(chat, request, stream, bool((options or {}).get("include_usage")),
-                      logprobs, request.sampling.HasField("max_tokens"))
+        request.prompt_token_ids.ids.extend(parsed.prompt)
+    logprobs = _logprobs(parsed)
+    request.sampling.CopyFrom(_sampling(parsed, logprobs))
+    options = parsed.stream_options
+    if options is not None and not parsed.stream:
+        raise bad("stream_options", "is only allowed with stream: true")
+    include_usage = bool(options and options.include_usage)
+    return ApiRequest(chat, request, bool(parsed.stream), include_usage, logprobs,
+                      request.sampling.HasField("max_tokens"),
+                      include_usage and bool(options and options.continuous_usage_stats))
 
 
-def _refuse_unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n != 1:
-        raise bad("n", f"must be 1 (one choice per request), got {n!r}")
-    for field, neutral in UNSUPPORTED.items():
-        value = body.get(field, neutral)
-        if value not in (neutral, None, [], {}):
-            raise bad(field, f"is not supported here (got {value!r})")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad("response_format", "is not supported here: only {\"type\": \"text\"}")
-
-
-def _prompt(prompt: object, request: pb.GenerateRequest) -> None:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-        request.prompt_token_ids.ids.extend(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(
-            isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", f"holds {len(prompt)} prompts; batches of more than one are not "
-                  "supported (send one request per prompt)")
-    else:
-        raise bad("prompt", "must be a string or a non-empty list of token ids (ints >= 0)")
-
-
-def _messages(messages: object, request: pb.GenerateRequest) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "must be a non-empty list of {role, content} objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad(f"messages[{i}]", "must be an object with a role and a content")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise bad(f"messages[{i}].content", "parts must all be {type: text, text}")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
-        request.chat.messages.add(role=message["role"], content=content)
-
-
-def _logprobs(body: dict, chat: bool) -> int | None:
-    if chat:
-        top = body.get("top_logprobs")
-        if not _flag(body, "logprobs"):
-            if top is not None:
-                raise bad("top_logprobs", "needs logprobs: true")
-            return None
-        return _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, default=0)
-    if body.get("logprobs") is None:
+def _logprobs(parsed: CompletionRequest | ChatRequest) -> int | None:
+    if isinstance(parsed, CompletionRequest):
+        return parsed.logprobs
+    if not parsed.logprobs:
+        if parsed.top_logprobs is not None:
+            raise bad("top_logprobs", "needs logprobs: true")
         return None
-    return _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    return parsed.top_logprobs or 0
 
 
-def _sampling(body: dict, chat: bool, logprobs: int | None) -> pb.SamplingOptions:
+def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None
+              ) -> pb.SamplingOptions:
+    """The gRPC API's sampling options; absent fields keep OpenAI's defaults (temperature 1,
+    16 tokens for completions, the rest of the context for chat)."""
     options = pb.SamplingOptions(
-        temperature=_number(body, "temperature", 0.0, 2.0, default=1.0),
-        top_p=_number(body, "top_p", 0.0, 1.0, default=1.0),
-        top_k=_int(body, "top_k", -1, 1 << 20, default=-1),
-        ignore_eos=_flag(body, "ignore_eos"))
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    given = next((name for name in names if body.get(name) is not None), None)
-    if given is not None:
-        options.max_tokens = _int(body, given, 1, 1 << 30)
-    elif not chat:
+        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        top_k=-1 if parsed.top_k is None else parsed.top_k,
+        ignore_eos=bool(parsed.ignore_eos), stop=parsed.stop,
+        stop_token_ids=parsed.stop_token_ids or [])
+    if parsed.top_p is not None:
+        options.top_p = parsed.top_p
+    maximum = (parsed.max_completion_tokens if isinstance(parsed, ChatRequest)
+               and parsed.max_completion_tokens is not None else parsed.max_tokens)
+    if maximum is not None:
+        options.max_tokens = maximum
+    elif isinstance(parsed, CompletionRequest):
         options.max_tokens = 16  # OpenAI's default for completions
-    if body.get("seed") is not None:
-        options.seed = _int(body, "seed", 0, (1 << 64) - 1)
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise bad("stop", "must be a non-empty string or a list of them")
-    options.stop.extend(stops)
-    ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-        raise bad("stop_token_ids", "must be a list of token ids (ints >= 0)")
-    options.stop_token_ids.extend(ids)
+    if parsed.seed is not None:
+        options.seed = parsed.seed % (1 << 64)  # int64 -> uint64, one to one
     if logprobs is not None:
         options.logprobs = logprobs
     return options
-
-
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is not None and not isinstance(value, bool):
-        raise bad(name, f"must be true or false, got {value!r}")
-    return bool(value)
-
-
-def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise bad(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
-    return float(value)
-
-
-def _int(body: dict, name: str, low: int, high: int, default: int | None = None) -> int:
-    value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise bad(name, f"must be an integer in [{low}, {high}], got {value!r}")
-    return value
 
 
 # ---- responses ----------------------------------------------------------------------------

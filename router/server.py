@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.admission import QUEUE_POLICIES, Admission
+from router.calls import DEFAULT_TIMEOUT_S
 from router.frontend import Frontend
 from router.http_api import HttpApi
 from router.metrics import RouterMetrics
@@ -26,7 +27,7 @@ from router.service import GenerationServicer, WorkerRegistryServicer, add_gener
 from router.stubs import WorkerStubs
 from router.wire import TRANSPORT_LIMIT_BYTES
 from serving import auth
-from serving.grpc_server import Server, start_server
+from serving.grpc_server import NO_DEADLINE_S, Server, start_server
 from serving.tls import ClusterTls, ServerTls
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class RouterOptions:
     metrics_port: int = 0  # 0: any free port
     http_port: int = 8000  # the OpenAI-compatible HTTP API on `host` (0: off)
     grace_s: float = 30.0  # drain on SIGTERM
+    default_timeout_s: float = DEFAULT_TIMEOUT_S  # a request whose client set no deadline
     cache_aware: bool = True  # placement counts what workers' prefix caches hold
     local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
     queue_policy: str = "short_first"  # which queued request a freed slot goes to
@@ -70,6 +72,9 @@ class RouterOptions:
         if self.max_running < 1 or self.max_queued < 0:
             raise ValueError(f"--max-running must be >= 1 and --max-queued >= 0, got "
                              f"{self.max_running} and {self.max_queued}")
+        if not 0 < self.default_timeout_s < NO_DEADLINE_S:
+            raise ValueError(f"--default-timeout-s must be in (0, {NO_DEADLINE_S:g}), got "
+                             f"{self.default_timeout_s}")
         if not self.grace_s > 0:
             raise ValueError(f"--grace-s must be > 0, got {self.grace_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
@@ -141,7 +146,8 @@ class Router:
         metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         self.metrics_address = f"{self.options.host}:{metrics_port}"
         generation = GenerationServicer(self.frontend, self.orchestrator, self.placement,
-                                        self.admission, self.metrics, self.metrics_address)
+                                        self.admission, self.metrics, self.metrics_address,
+                                        self.options.default_timeout_s)
         self.generation = generation
         if self.options.http_port:
             self.http = HttpApi(generation, self.options.host, self.options.http_port,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -13,7 +13,7 @@ from kv_transfer.selection import MODES
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.admission import Admission, LeftQueue, QueueFull
-from router.calls import CallScope, RouterError
+from router.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
 from router.detokenizer import IncrementalText
 from router.events import Finished, Tokens
 from router.frontend import Frontend, Job
@@ -21,7 +21,9 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.placement import PlacementPolicy
 from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.request_log import RequestLog, RequestRecord
 from router.wire import Unparsable, lenient
+from serving.grpc_server import call_budget_s
 
 ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
                    pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
@@ -31,47 +33,64 @@ ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend, orchestrator: Orchestrator,
                  placement: PlacementPolicy, admission: Admission, metrics: RouterMetrics,
-                 metrics_address: str = ""):
+                 metrics_address: str = "", default_timeout_s: float = DEFAULT_TIMEOUT_S):
         self.frontend = frontend
         self.orchestrator = orchestrator
         self.placement = placement
         self.admission = admission
         self.metrics = metrics
         self.metrics_address = metrics_address
+        self.default_timeout_s = default_timeout_s  # a request whose client set no deadline
+        self.requests = RequestLog(metrics)
         self.http_address = ""  # the OpenAI-compatible HTTP API, when served
         self.draining = threading.Event()
 
     def Generate(self, request: pb.GenerateRequest | Unparsable, context: grpc.ServicerContext
                  ) -> Iterator[pb.GenerateResponse]:
-        code = grpc.StatusCode.CANCELLED  # unless it finishes or fails with a status
+        record = RequestRecord("grpc")
+        scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
+        context.add_callback(scope.cancel)
         try:
-            scope = CallScope(context.time_remaining())
-            context.add_callback(scope.cancel)
-            yield from self.stream(request, scope)
-            code = grpc.StatusCode.OK
+            yield from self.stream(request, scope, record)
         except RouterError as exc:
-            code = exc.code
             context.abort(exc.code, exc.message)
         finally:
-            self.metrics.requests.labels(code.name).inc()
+            self.requests.finish(record, scope.expired())
 
-    def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope
-               ) -> Iterator[pb.GenerateResponse]:
+    def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
+               record: RequestRecord, on_accepted: Callable[[Job], None] | None = None,
+               rest_of_context: bool = False) -> Iterator[pb.GenerateResponse]:
         """A request's responses, whatever the front end (gRPC here, HTTP in router.http_api):
-        RouterError ends it with a status; `scope` carries its deadline and cancellation."""
-        arrival = time.monotonic()
+        RouterError ends it with a status; `scope` carries its deadline and cancellation;
+        `record` learns how it ended; `on_accepted` hears when it leaves the router's queue
+        for a slot (the HTTP API then sends its status and headers); `rest_of_context`:
+        without max_tokens, generate up to the model's context (OpenAI chat's default)."""
+        try:
+            yield from self._accept(request, scope, record, on_accepted, rest_of_context)
+        except RouterError as exc:
+            record.failed(exc.code, exc.message)
+            raise
+
+    def _accept(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
+                record: RequestRecord, on_accepted: Callable[[Job], None] | None,
+                rest_of_context: bool) -> Iterator[pb.GenerateResponse]:
+        arrival = record.arrival
         if isinstance(request, Unparsable):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        record.request_id = request.request_id
         if self.draining.is_set():
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
                               "the router is draining: it takes no new requests")
         try:
-            job = self.frontend.parse(request, arrival)
+            job = self.frontend.parse(request, arrival, rest_of_context)
         except ValueError as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        record.request_id, record.prompt_tokens = job.request_id, len(job.token_ids)
         self._enter(scope, len(job.token_ids))
         try:
-            yield from self._stream(job, scope, time.monotonic() - arrival)
+            if on_accepted is not None:
+                on_accepted(job)
+            yield from self._stream(job, scope, time.monotonic() - arrival, record)
         finally:
             self.admission.leave()
 
@@ -86,7 +105,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
                               "passed while it waited in the router's queue") from None
 
-    def _stream(self, job: Job, scope: CallScope, router_queue_s: float
+    def _stream(self, job: Job, scope: CallScope, router_queue_s: float, record: RequestRecord
                 ) -> Iterator[pb.GenerateResponse]:
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
         completion_tokens = 0
@@ -96,11 +115,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if isinstance(event, Tokens):
                 if first_token_time is None:
                     first_token_time = now
+                    record.ttft_s = now - job.arrival
                     self.metrics.ttft.observe(now - job.arrival)
                 else:
                     self.metrics.itl.observe(now - last_token_time)
                 last_token_time = now
                 completion_tokens += len(event.token_ids)
+                record.completion_tokens = completion_tokens
                 yield pb.GenerateResponse(request_id=job.request_id, token_ids=event.token_ids,
                                           text=text.add(event.token_ids),
                                           logprobs=event.logprobs)
@@ -109,6 +130,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 last = self._last(job, event, text, completion_tokens, first_token_time)
                 last.timings.router_queue_s = router_queue_s
                 self.metrics.observe_phases(last.timings)
+                record.code = grpc.StatusCode.OK
+                record.prefill_site, record.kv_transport = event.prefill_site, event.kv_transport
                 yield last
 
     def _last(self, job: Job, end: Finished, text: IncrementalText, completion_tokens: int,

@@ -20,17 +20,21 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 def sampling_from_proto(options: Any) -> SamplingParams:
     """SamplingOptions -> SamplingParams; ValueError names the bad field and its limit.
-    Absent max_tokens -> 16 (an explicit 0 is an error); proto3 zeros mean "unset" for the
-    rest: top_k 0 -> disabled, top_p 0 -> 1.0."""
+    Absent max_tokens -> 16 (an explicit 0 is an error); absent top_p -> 1.0 (disabled); top_p 0
+    keeps only the most likely token, which is greedy (OpenAI's meaning); top_k 0 -> disabled."""
     for i, stop in enumerate(options.stop):
         if "\ufffd" in stop:  # protobuf replaced invalid UTF-8 (or the caller sent U+FFFD)
             raise ValueError(f"sampling.stop[{i}] is not valid UTF-8 text")
+    top_p = options.top_p if options.HasField("top_p") else 1.0
+    if not 0.0 <= top_p <= 1.0:
+        raise ValueError(f"sampling.top_p must be in [0, 1], got {top_p:g}")
+    only_top_token = top_p == 0.0
     return SamplingParams(
         max_tokens=(options.max_tokens if options.HasField("max_tokens")
                     else DEFAULT_MAX_TOKENS),
-        temperature=options.temperature,
+        temperature=0.0 if only_top_token else options.temperature,
         top_k=options.top_k if options.top_k != 0 else -1,
-        top_p=options.top_p if options.top_p != 0 else 1.0,
+        top_p=1.0 if only_top_token else top_p,
         seed=options.seed if options.HasField("seed") else None,
         stop=tuple(options.stop),
         stop_token_ids=tuple(options.stop_token_ids),

@@ -3,12 +3,15 @@ Every refusal is counted (by method and status code) before the RPC is aborted."
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import NoReturn
 
 import grpc
 
 from serving.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
 
 
 class Gate:
@@ -21,6 +24,8 @@ class Gate:
     def reject(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode,
                message: str) -> NoReturn:
         self.metrics.reject(method, code.name)
+        log.warning("refused %s: %s", method, message, extra={"fields": {
+            "worker_id": self.worker_id, "method": method, "status": code.name}})
         context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 

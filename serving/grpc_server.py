@@ -18,6 +18,18 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
+# gRPC reports a call without a deadline as ~9.2e18 s remaining (not None): passing that on as a
+# timeout overflows into a deadline already past. Anything beyond a year means "no deadline".
+NO_DEADLINE_S = 365 * 24 * 3600.0
+
+
+def call_budget_s(time_remaining: float | None, default_s: float) -> float:
+    """Seconds a call may take: the client's deadline, or `default_s` when it set none."""
+    if time_remaining is None or not time_remaining < NO_DEADLINE_S:
+        return default_s
+    return max(0.0, time_remaining)
+
+
 class Server:
     """A started gRPC server, its port, and its health servicer."""
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from serving.auth import load_token
+from serving.logs import LOG_FORMATS, LOG_LEVELS, add_logging_args
 from serving.tls import ClusterTls, add_cluster_tls_args, read_ca
 
 QUEUE_POLICIES = SchedulerConfig.QUEUE_POLICIES
@@ -40,6 +41,8 @@ class WorkerOptions:
     transfer_timeout_s: float = 30.0  # one KV transfer (rendezvous included)
     lease_s: float = 30.0  # decode: reserved blocks freed when no KV arrives in this time
     grace_s: float = 30.0  # drain: accepted work allowed to finish after SIGTERM
+    log_level: str = "info"
+    log_format: str = "text"  # text | json (serving.logs)
     metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
     kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
@@ -62,6 +65,9 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
+        if self.log_level not in LOG_LEVELS or self.log_format not in LOG_FORMATS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} and "
+                             f"--log-format one of {', '.join(LOG_FORMATS)}")
         if ":" not in self.router:
             raise ValueError(f"--router must be host:port, got {self.router!r}")
         for name in ("port", "metrics_port"):
@@ -146,6 +152,7 @@ def _options(role: str, args: argparse.Namespace) -> WorkerOptions:
         threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
+        log_level=args.log_level, log_format=args.log_format,
         kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
         gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
         async_scheduling=args.async_scheduling,
@@ -160,6 +167,7 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--advertise-host", default=None)
     parser.add_argument("--model", default="default", help="'default' or a local HF directory")
+    add_logging_args(parser)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--threads", type=int, default=1)

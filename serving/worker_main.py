@@ -18,6 +18,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from serving import auth
 from serving.gate import Gate
 from serving.grpc_server import Server, start_server
+from serving.logs import configure_logging
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions, parse_worker_args
@@ -64,8 +65,8 @@ class WorkerRole:
 def main(role_name: str, make_role: Callable[[LLMEngine, WorkerOptions], WorkerRole],
          argv: list[str] | None = None) -> int:
     """`python -m {role}_worker` for either role: parse, load the engine, serve."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     options = parse_worker_args(role_name, argv)
+    configure_logging(options.log_level, options.log_format)
     engine = build_engine(options)
     return serve(options, make_role(engine, options), engine.model_path.name)
 

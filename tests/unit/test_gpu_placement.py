@@ -136,7 +136,7 @@ def test_cpu_worker_command_is_unchanged_but_for_the_transport():
     assert commands["decode-0"] == [
         "decode_worker", "--router", "127.0.0.1:50051", "--host", "127.0.0.1", "--threads", "1",
         "--model", "default", "--worker-id", "decode-0", "--dtype", "float32", "--kv-cache-gb",
-        "0.5", "--kv-transport", "auto"]
+        "0.5", "--kv-transport", "auto", "--log-level", "info", "--log-format", "text"]
     assert cluster.gpu_slots == {}
 
 

@@ -35,7 +35,8 @@ def test_defaults_follow_openai():
     api = parse({"model": MODEL, "prompt": [1, 2, 3]}, False, MODEL)
     s = api.request.sampling
     assert list(api.request.prompt_token_ids.ids) == [1, 2, 3]
-    assert s.max_tokens == 16 and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k == -1
+    assert s.max_tokens == 16 and s.temperature == 1.0 and s.top_k == -1
+    assert not s.HasField("top_p")  # absent: 1.0 (disabled), as the router reads it
     assert not s.HasField("seed") and not s.HasField("logprobs") and api.logprobs is None
     chat = parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, True, MODEL)
     assert not chat.max_tokens_given and not chat.request.sampling.HasField("max_tokens")
@@ -56,20 +57,26 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
 
 @pytest.mark.parametrize("body, param, words", [
     ({"prompt": "x"}, "model", "is required"),
-    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens", "[1, 1073741824], got 0"),
-    ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature", "[0, 2], got 3"),
-    ({"model": MODEL, "prompt": "x", "top_p": -1}, "top_p", "[0, 1], got -1"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs", "[0, 20], got 21"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens", ">= 0, got -1"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", "a number"),
+    ({"model": MODEL, "prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
+    ({"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs", ">= 0, got -1"),
     ({"model": MODEL, "prompt": "x", "n": 2}, "n", "must be 1"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
      "not supported"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "batches of more than one"),
-    ({"model": MODEL, "prompt": [1, -2]}, "prompt", "token ids (ints >= 0)"),
+    ({"model": MODEL, "prompt": [1, -2]}, "prompt", "outside the token ids [0, 2**32)"),
+    ({"model": MODEL, "prompt": [2**32]}, "prompt", "4294967296, outside the token ids"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [2**33]}, "stop_token_ids[0]",
+     "<= 4294967295, got 8589934592"),
+    ({"model": MODEL, "prompt": "x", "top_k": 2**40}, "top_k", "<= 2147483647"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**64}, "seed", "<= 18446744073709551615"),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty string"),
+    ({"model": MODEL, "prompt": "\ud800"}, "prompt", "not valid UTF-8 text"),
+    ({"model": MODEL, "prompt": "x", "stop": "a\udfff"}, "stop", "not valid UTF-8 text"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options", "only allowed with stream: true"),
-    ({"model": MODEL, "prompt": "x", "seed": -1}, "seed", "got -1"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream", "true or false"),
 ])
 def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
@@ -89,6 +96,34 @@ def test_chat_refusals_and_an_unknown_model():
     missing = refused({"model": "gpt-4", "prompt": "x"})
     assert missing.status == 404 and missing.code == "model_not_found"
     assert refused([1, 2]).message == "the request body must be a JSON object"
+    error = refused({"model": MODEL, "messages": [{"role": "user", "content": "\ud800x"}]},
+                    chat=True)
+    assert error.param == "messages[0].content" and "not valid UTF-8" in error.message
+
+
+def test_top_p_zero_negative_seeds_and_continuous_usage():
+    api = parse({"model": MODEL, "prompt": "x", "top_p": 0, "seed": -1, "stream": True,
+                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                False, MODEL)
+    s = api.request.sampling
+    assert s.HasField("top_p") and s.top_p == 0.0  # the router reads 0 as greedy
+    assert s.seed == 2**64 - 1  # int64 -> uint64 one to one: -1 differs from every seed >= 0
+    assert parse({"model": MODEL, "prompt": "x", "seed": -(2**63)}, False,
+                 MODEL).request.sampling.seed == 2**63
+    assert api.include_usage and api.continuous_usage
+    plain = parse({"model": MODEL, "prompt": "x", "stream": True,
+                   "stream_options": {"continuous_usage_stats": True}}, False, MODEL)
+    assert not plain.continuous_usage  # as vLLM: only with include_usage
+
+
+def test_developer_and_tool_roles_reach_the_router():
+    api = parse({"model": MODEL, "messages": [
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "4", "tool_call_id": "call_1", "name": "add"}]}, True, MODEL)
+    turns = [(m.role, m.content, m.tool_call_id, m.name) for m in api.request.chat.messages]
+    assert turns == [("developer", "be brief", "", ""), ("user", "2+2?", "", ""),
+                     ("assistant", "", "", ""), ("tool", "4", "call_1", "add")]
 
 
 def test_router_statuses_map_to_http_codes_with_this_apis_field_names():
@@ -99,7 +134,7 @@ def test_router_statuses_map_to_http_codes_with_this_apis_field_names():
         assert ApiError.from_status(code, "m").status == status
     error = ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT,
                                  "sampling.top_k must be -1, 0 or >= 1, got -5")
-    assert error.message == "top_k must be -1, 0 or >= 1, got -5"
+    assert error.message == "top_k must be -1, 0 or >= 1, got -5" and error.param == "top_k"
     error = ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT,
                                  "prompt_token_ids contains 99999, outside the vocabulary")
     assert error.message.startswith("prompt contains 99999")

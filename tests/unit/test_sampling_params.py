@@ -22,7 +22,8 @@ from engine.request import SamplingParams
         ({"top_k": -2}, "top_k", "-1"),
         ({"top_k": 2.5}, "top_k", "integer"),
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
-        ({"seed": -1}, "seed", "[0, 2**63)"),
+        ({"seed": -1}, "seed", "[0, 2**64)"),
+        ({"seed": 2**64}, "seed", "[0, 2**64)"),
         ({"stop": ("",)}, "stop", "non-empty"),
     ],
 )

@@ -1,0 +1,35 @@
+"""A request's limits, one set for both front doors (gRPC and OpenAI HTTP), checked once in
+router.frontend. The HTTP layer checks only JSON types and what fits the wire's fields; every
+bound a user can hit is here, and its message names the field (in the gRPC API's spelling:
+router.openai_wire renames the fields for HTTP clients).
+
+Text is bounded by size before it is tokenized: tokenizing ~1M characters takes ~0.5 s on a CPU
+core (and releases the GIL, see engine.tokenizer), so no input can hold the router for long."""
+
+from __future__ import annotations
+
+from engine.request import SamplingParams
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_TEXT_CHARS = 1_000_000  # a prompt, or a chat's contents together, in characters
+MAX_TEXT_BYTES = 2 * 1024 * 1024  # the same in UTF-8 bytes (binds for wide characters)
+MAX_CHAT_MESSAGES = 4096
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_text(field: str, chars: int, num_bytes: int) -> None:
+    """ValueError when a text input (`field`) is over the size limits."""
+    if chars > MAX_TEXT_CHARS:
+        raise ValueError(f"{field} is {chars} characters; the limit is {MAX_TEXT_CHARS}")
+    if num_bytes > MAX_TEXT_BYTES:
+        raise ValueError(f"{field} is {num_bytes} bytes of UTF-8; the limit is {MAX_TEXT_BYTES} "
+                         f"({MAX_TEXT_BYTES // (1024 * 1024)} MiB)")
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """The API's bounds beyond what SamplingParams itself requires."""
+    if params.temperature > MAX_TEMPERATURE:
+        raise ValueError(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                         f"{params.temperature:g}")

@@ -1,0 +1,200 @@
+"""The JSON bodies of OpenAI's /v1/completions and /v1/chat/completions as pydantic models (as
+vLLM's protocol layer parses them): types, the wire's integer ranges and the fields this server
+cannot honour are checked here; every other limit (temperature <= 2, logprobs <= 20, text
+sizes...) is the gRPC API's (router.limits), checked once for both front doors. A validation
+error becomes one 400 message naming the field."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+UINT32_MAX = (1 << 32) - 1
+INT32 = Field(ge=-(1 << 31), le=(1 << 31) - 1)
+# OpenAI takes any int64 seed; the gRPC API's is a uint64 (negative seeds map to it one to one).
+INT64 = Field(ge=-(1 << 63), le=(1 << 64) - 1)
+
+
+def _utf8(text: str) -> str:
+    """JSON can carry a lone surrogate (\\ud800), which is no text and cannot be encoded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"is not valid UTF-8 text (a lone surrogate at character "
+                         f"{exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# Fields this server cannot honour yet, with the value that means "not used".
+UNSUPPORTED = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
+               "logit_bias": None, "suffix": None, "tools": None, "functions": None,
+               "tool_choice": None, "function_call": None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # usage on every chunk (guidellm asks for it)
+
+
+class _Request(BaseModel):
+    """What both endpoints take; unknown fields are ignored, as OpenAI's clients expect."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model: Text
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, INT32] | None = None
+    seed: Annotated[int, INT64] | None = None
+    stop: Any = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None
+    user: Text | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, stop: Any) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("must be a non-empty string or a list of them")
+        return [_utf8(s) for s in stops]
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(f"must be 1 (one choice per request), got {n!r}")
+        return n
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value not in (None, {"type": "text"}):
+            raise ValueError('is not supported here: only {"type": "text"}')
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """ValueError naming the first field set to something this server cannot honour."""
+        extra = self.model_extra or {}
+        for field, neutral in UNSUPPORTED.items():
+            value = extra.get(field, neutral)
+            if value not in (neutral, None, [], {}):
+                raise UnsupportedField(field, f"is not supported here (got {value!r:.80})")
+
+
+class UnsupportedField(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class CompletionRequest(_Request):
+    prompt: Any
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, prompt: Any) -> str | list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            return _utf8(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
+                                                       for p in prompt):
+            raise ValueError(f"holds {len(prompt)} prompts; batches of more than one are not "
+                             "supported (send one request per prompt)")
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t <= UINT32_MAX), None)
+            if bad is not None:
+                raise ValueError(f"contains {bad}, outside the token ids [0, 2**32)")
+            return prompt
+        raise ValueError("must be a string or a non-empty list of token ids (ints >= 0)")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Text
+    content: Any = None
+    name: Text | None = None
+    tool_call_id: Text | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content: Any) -> str:
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return _utf8(content)
+        if isinstance(content, list):  # content parts: text only
+            try:
+                parts = [TextPart.model_validate(p) for p in content]
+            except ValidationError:
+                parts = []
+            if len(parts) == len(content) and all(p.type == "text" and p.text is not None
+                                                  for p in parts):
+                return "".join(p.text or "" for p in parts)
+            raise ValueError("parts must all be {type: text, text}")
+        raise ValueError("must be a string or a list of text parts")
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+
+
+def describe(error: ValidationError) -> tuple[str, str]:
+    """The first error as (field, message), the message starting with the field's name."""
+    first = error.errors(include_url=False)[0]
+    field = _location(first["loc"])
+    return field, f"{field} {_phrase(first)}".strip()
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "body"
+
+
+KINDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+         "bool_type": "true or false", "list_type": "a list", "dict_type": "an object",
+         "model_type": "an object", "model_attributes_type": "an object"}
+
+
+def _phrase(error: dict[str, Any]) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    got = f", got {error.get('input')!r:.80}"
+    if kind == "missing":
+        return "is required"
+    if kind in KINDS:
+        return f"must be {KINDS[kind]}{got}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx['ge']}{got}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx['le']}{got}"
+    if kind == "too_short":
+        return f"must hold at least {ctx.get('min_length', 1)} item(s)"
+    if kind == "finite_number":
+        return f"must be a finite number{got}"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    return f"is invalid: {error['msg']}"
