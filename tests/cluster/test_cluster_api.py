@@ -4,11 +4,14 @@ any of them. The router here serves 3 requests at once and queues 3 more."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -204,7 +207,7 @@ def test_a_deadline_passing_in_the_router_queue_never_reaches_a_worker(cluster, 
         next(call)
     prefilled = _prefill_ttft_count(cluster)
     router = cluster.status().metrics_address
-    expired = 'pdserve_router_requests_total{code=DEADLINE_EXCEEDED}'
+    expired = 'pdserve_router_requests_total{api=grpc,code=DEADLINE_EXCEEDED}'
     expired_before = scrape(router).get(expired, 0.0)
     exc = rpc_error(lambda: list(stub.Generate(greedy_request([1, 2, 3], max_tokens=4),
                                                timeout=1.0)))
@@ -218,12 +221,18 @@ def test_a_deadline_passing_in_the_router_queue_never_reaches_a_worker(cluster, 
 
 
 def test_a_deadline_passing_mid_stream_aborts_on_both_workers(cluster, stub):
+    router = cluster.status().metrics_address
+    expired = "pdserve_router_requests_total{api=grpc,code=DEADLINE_EXCEEDED}"
+    expired_before = scrape(router).get(expired, 0.0)
     call = stub.Generate(greedy_request([1, 2, 3, 4], max_tokens=2000), timeout=6.0)
     received = 0
     with pytest.raises(grpc.RpcError) as failed:
         for part in call:
             received += len(part.token_ids)
     assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and received > 0
+    # counted as what it was, though its first tokens went out fine
+    wait_until(lambda: scrape(router).get(expired, 0.0) >= expired_before + 1, 5.0,
+               "the router to count the request that expired mid-stream")
     _assert_no_leak(cluster)
 
 
@@ -260,8 +269,8 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
     assert moved(0, "pdserve_router_ttft_seconds_count{}") == 2
     assert moved(0, "pdserve_router_inter_token_latency_seconds_count{}") >= 2 * 5
     assert moved(0, "pdserve_router_e2e_seconds_count{}") == 2
-    assert moved(0, "pdserve_router_requests_total{code=OK}") == 2
-    assert moved(0, "pdserve_router_requests_total{code=INVALID_ARGUMENT}") == 1
+    assert moved(0, "pdserve_router_requests_total{api=grpc,code=OK}") == 2
+    assert moved(0, "pdserve_router_requests_total{api=grpc,code=INVALID_ARGUMENT}") == 1
     assert moved(0, "pdserve_router_kv_transfer_bytes_total{transport=shared}") > 0
     assert after[0]["pdserve_router_workers{role=decode}"] == 1
     assert "pdserve_router_queue_depth{}" in after[0]
@@ -285,3 +294,78 @@ def test_metrics_move_on_router_and_workers(cluster, stub):
                  "pdserve_worker_running_requests{role=decode}",
                  "pdserve_worker_waiting_requests{role=prefill}"):
         assert any(name in a for a in after), name
+
+
+def test_calls_without_a_deadline_get_the_routers_default(cluster, stub):
+    request = greedy_request([5, 6, 7, 8], max_tokens=4)
+    assert sum(len(p.token_ids) for p in stub.Generate(request)) == 4  # no timeout=
+    assert len(stub.Complete(request).token_ids) == 4
+    # A client that knows the API only from reflection (as grpcurl does), without a deadline.
+    with channel(cluster.address) as ch:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(ch))
+        service = pool.FindServiceByName("pdserve.v1.Generation")
+        method = service.FindMethodByName("Generate")
+        request_type = message_factory.GetMessageClass(method.input_type)
+        reply_type = message_factory.GetMessageClass(method.output_type)
+        generate = ch.unary_stream("/pdserve.v1.Generation/Generate",
+                                   request_serializer=request_type.SerializeToString,
+                                   response_deserializer=reply_type.FromString)
+        message = request_type()
+        message.prompt = "Hello"
+        message.sampling.max_tokens = 3
+        message.sampling.temperature = 0.0
+        replies = list(generate(message))
+    assert sum(len(r.token_ids) for r in replies) == 3 and replies[-1].finish_reason != 0
+    _assert_no_leak(cluster)
+
+
+def test_top_p_zero_keeps_only_the_top_token_on_both_front_doors(cluster, stub):
+    def grpc_text(**sampling: float) -> list[int]:
+        request = pb.GenerateRequest(prompt="Once upon a time", sampling=pb.SamplingOptions(
+            max_tokens=12, ignore_eos=True, **sampling))
+        return list(stub.Complete(request, timeout=60).token_ids)
+
+    greedy = grpc_text(temperature=0.0)
+    assert grpc_text(temperature=1.0, top_p=0.0, seed=11) == greedy
+    assert grpc_text(temperature=1.0, top_p=1.0, seed=11) != greedy  # sampling, seeded
+    http_address = cluster.status().http_address
+    host, port = http_address.split(":")
+    texts = []
+    for top_p in (0.0, None):
+        body = {"model": cluster.status().model, "prompt": "Once upon a time", "max_tokens": 12,
+                "ignore_eos": True, "temperature": 0 if top_p is None else 1, "seed": 11}
+        if top_p is not None:
+            body["top_p"] = top_p
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        texts.append(json.loads(conn.getresponse().read())["choices"][0]["text"])
+        conn.close()
+    assert texts[0] == texts[1]
+
+
+def test_a_huge_chat_message_is_refused_before_it_is_tokenized(cluster, stub):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a" * (15 << 20))])
+    exc = rpc_error(lambda: stub.Complete(pb.GenerateRequest(chat=chat), timeout=60))
+    assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat is 15728640 characters; the limit is 1000000" in exc.details()
+
+
+def test_the_router_logs_one_line_per_request_with_its_outcome(cluster, stub):
+    stream_tokens(cluster.address, greedy_request([9, 10, 11], max_tokens=3, rid="logged-ok"))
+    rpc_error(lambda: stub.Complete(pb.GenerateRequest(request_id="logged-bad", prompt=""),
+                                    timeout=10))
+    log = cluster.log_dir / "router.log"
+
+    def lines(request_id: str) -> list[str]:
+        return [line for line in log.read_text().splitlines()
+                if f"request_id={request_id} " in line]
+
+    wait_until(lambda: lines("logged-ok") and lines("logged-bad"), 10.0, "the access log")
+    ok, bad = lines("logged-ok"), lines("logged-bad")
+    assert len(ok) == 1 and " INFO pdserve.access request finished " in ok[0]
+    for field in ("api=grpc", "status=OK", "prompt_tokens=3", "output_tokens=3", "ttft_s=",
+                  "e2e_s=", "prefill_site=", "kv_transport="):
+        assert field in ok[0], field
+    assert len(bad) == 1 and " WARNING pdserve.access request failed: prompt must not be " in bad[0]
+    assert "status=INVALID_ARGUMENT" in bad[0]

@@ -132,7 +132,8 @@ def test_stop_strings_seeds_and_logprobs(client, model):
 def test_bad_requests_get_openais_error_shape_and_status(client, http_address, model):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model=model, prompt="x", max_tokens=0)
-    assert "max_tokens must be an integer in [1, " in bad.value.body["message"]
+    assert bad.value.body["message"] == "max_tokens must be >= 1, got 0"
+    assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model=model, prompt="x", max_tokens=5000)
     assert "exceeds the model context of 2048 tokens" in too_long.value.body["message"]
@@ -228,3 +229,27 @@ def test_no_healthy_worker_is_503(tiny_llama_dir):
         conn.close()
     finally:
         router.stop(1.0)
+
+
+def test_models_retrieve_developer_and_tool_roles_and_usage_on_every_chunk(client, model):
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+    def chat(*messages: dict) -> str:
+        reply = client.chat.completions.create(model=model, max_tokens=8, temperature=0,
+                                               messages=list(messages))
+        return reply.choices[0].message.content
+
+    user = {"role": "user", "content": PROMPT}
+    assert chat({"role": "developer", "content": "Be brief."}, user) == \
+        chat({"role": "system", "content": "Be brief."}, user)
+    assert isinstance(chat(user, {"role": "assistant", "content": "Let me check."},
+                           {"role": "tool", "content": "42", "tool_call_id": "call_1"}), str)
+    stream = client.chat.completions.create(
+        model=model, max_tokens=6, temperature=0, messages=[user], stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    completion = [c.usage.completion_tokens for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 6
