@@ -204,9 +204,9 @@ class HttpApi:
     async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
                    responses: AsyncIterator) -> web.StreamResponse:
         if api.chat:
+            extra = {"usage": usage.so_far()} if api.continuous_usage else {}
             await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}},
-                                            usage=usage.so_far() if api.continuous_usage
-                                            else None))
+                                            **extra))
         offset = 0
         async for item in responses:
             if isinstance(item, RouterError):
@@ -282,10 +282,6 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except wire.ApiError as exc:
         return _error(exc)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error(wire.ApiError(413, f"the request body is over the limit of "
-                                    f"{MAX_BODY_BYTES} bytes ({MAX_BODY_BYTES >> 20} MiB)"
-                                    f" ({exc.text})", code="request_too_large"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -305,7 +301,12 @@ async def _json(http: web.Request) -> object:
     if http.headers.get("Content-Type") and not JSON_TYPE.fullmatch(http.content_type):
         raise wire.ApiError(415, f"Content-Type must be application/json, got "
                             f"{http.content_type!r}", param="Content-Type")
-    body = await http.read()
+    try:
+        body = await http.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise wire.ApiError(413, f"the request body is over the limit of {MAX_BODY_BYTES} "
+                            f"bytes ({MAX_BODY_BYTES >> 20} MiB) ({exc.text})",
+                            code="request_too_large") from None
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

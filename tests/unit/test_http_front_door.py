@@ -112,11 +112,13 @@ def test_deep_huge_unknown_and_non_json_requests_keep_openais_shape(served):
     servicer, address = served
     status, reply = post(address, "[" * 200_000 + "]" * 200_000)
     assert status == 400 and "nests JSON deeper" in reply["error"]["message"]
+    before = counted(servicer, "INVALID_ARGUMENT")
     status, headers, data = send(address, "POST", "/v1/completions",
                                  b'{"prompt": "' + b"a" * (50 << 20) + b'"}')
     error = json.loads(data)["error"]
     assert status == 413 and headers["Content-Type"].startswith("application/json")
     assert str(MAX_BODY_BYTES) in error["message"] and error["code"] == "request_too_large"
+    assert counted(servicer, "INVALID_ARGUMENT") == before + 1
     status, headers, data = send(address, "GET", "/v1/nothing-here")
     assert status == 404 and json.loads(data)["error"]["type"] == "not_found_error"
     status, reply = post(address, {"model": MODEL, "prompt": "x"},
@@ -176,6 +178,10 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(served):
     assert status == 200 and all(c["usage"] is not None for c in chunks)
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 3, 3, 3]
     assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks)
+    status, _, data = send(address, "POST", "/v1/chat/completions", json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}).encode())
+    chunks = [json.loads(e[6:]) for e in data.decode().split("\n\n") if e.startswith("data: {")]
+    assert all("usage" not in c for c in chunks)  # not asked for: not there
     before = counted(servicer, "OK")
     send(address, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode())
     assert counted(servicer, "OK") == before + 1
