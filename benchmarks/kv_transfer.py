@@ -85,10 +85,12 @@ def generate(address: str, ids: list[int], rid: str) -> pb.Timings:
 
 
 def run_transport(variant: str, lengths: list[int], requests: int, stream: list[int],
-                  firsts: Iterator[int]) -> list[Sample]:
-    """One cluster for the variant (VARIANTS), started once: a warm-up, then every length."""
+                  firsts: Iterator[int], device: str = "cpu") -> list[Sample]:
+    """One cluster for the variant (VARIANTS), started once: a warm-up, then every length. On
+    `device` cuda both workers share one GPU (the shared transport is then CUDA IPC)."""
     transport, streaming = VARIANTS[variant]
-    spec = ClusterSpec(prefill=1, decode=1, port=0, threads=1, dtype="float32",
+    gpus = {"device": "cuda", "gpus": 1} if device == "cuda" else {}
+    spec = ClusterSpec(prefill=1, decode=1, port=0, threads=1, dtype="float32", **gpus,
                        kv_cache_gb=0.5, kv_transport=transport, ready_timeout_s=240.0,
                        worker_args=("--kv-streaming", streaming),
                        router_args=("--local-prefill", "off"))
@@ -111,19 +113,23 @@ def run_transport(variant: str, lengths: list[int], requests: int, stream: list[
     return samples
 
 
-def memcpy_seconds(num_bytes: int, runs: int = MEMCPY_RUNS) -> float:
-    """Median seconds of `dst.copy_(src)` over `num_bytes` of pre-touched float32, 1 thread."""
+def memcpy_seconds(num_bytes: int, runs: int = MEMCPY_RUNS, device: str = "cpu") -> float:
+    """Median seconds of `dst.copy_(src)` over `num_bytes` of pre-touched float32 (1 thread on
+    CPU; on a GPU, device to device, synchronized)."""
     import torch
 
     torch.set_num_threads(1)
     numel = max(1, num_bytes // 4)
-    src = torch.ones(numel, dtype=torch.float32)
-    dst = torch.zeros(numel, dtype=torch.float32)
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.zeros(numel, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dst.copy_(src)  # warm-up
     times = []
     for _ in range(runs):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -230,6 +236,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--transports", default="shared,shared-whole,dist,dist-whole",
                         help=f"variants, of {', '.join(VARIANTS)}")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: both workers on one GPU (shared = CUDA IPC; dist refused)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here too")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -241,14 +250,18 @@ def main() -> None:
         parser.error(f"--transports: unknown {unknown}; choose from {list(VARIANTS)}")
     for variant in variants:
         print(f"{variant}: starting a 1P+1D cluster", flush=True)
-        samples += run_transport(variant, lengths, args.requests, stream, firsts)
+        samples += run_transport(variant, lengths, args.requests, stream, firsts, args.device)
     # The clusters are stopped: the baseline copies run on idle cores.
     memcpy_s = {n: memcpy_seconds(int(statistics.median(s.num_bytes for s in samples
-                                                        if s.tokens == n))) for n in lengths}
+                                                        if s.tokens == n)),
+                                  device=args.device) for n in lengths}
     command = ".venv/bin/python -m benchmarks.kv_transfer " + " ".join(sys.argv[1:])
     body = section(summarize(samples, memcpy_s), command.strip(), args.requests,
                    time.perf_counter() - started)
     print("\n" + "\n".join(body))
+    if args.json:
+        args.json.write_text(json.dumps({"device": args.device, "rows": summarize(
+            samples, memcpy_s)}, indent=2) + "\n")
     if args.write:
         path = ROOT / "BENCHMARKS.md"
         path.write_text(replace_section(path.read_text(), body))

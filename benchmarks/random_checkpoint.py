@@ -77,3 +77,33 @@ def _shards(s: dict[str, Any], rand: Callable[..., torch.Tensor]
                p + "mlp.down_proj.weight": rand(h, inter),
                p + "input_layernorm.weight": ones.clone(),
                p + "post_attention_layernorm.weight": ones.clone()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m benchmarks.random_checkpoint SHAPE --tokenizer DIR (--out DIR | --as-default)`:
+    a machine without the default model's package (a GPU machine) gets a random checkpoint of
+    its shape in its place, so every `default` in the tests and benchmarks loads."""
+    import argparse
+
+    from engine.prepare import _COMPLETE_MARKER, default_model_dir
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.random_checkpoint")
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("--tokenizer", type=Path, required=True,
+                        help="a folder with the default model's tokenizer files")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--as-default", action="store_true",
+                        help="write it where the default model is looked for")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if (args.out is None) == (not args.as_default):
+        parser.error("give exactly one of --out DIR and --as-default")
+    path = default_model_dir() if args.as_default else args.out
+    write_checkpoint(args.shape, path, args.tokenizer, args.device)
+    if args.as_default:
+        (path / _COMPLETE_MARKER).touch()
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

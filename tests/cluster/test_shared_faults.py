@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from tests.cluster.cluster_helpers import (
     greedy_request,
@@ -39,13 +40,21 @@ def reference() -> dict[str, list[int]]:
     return dict(zip(names, outputs))
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, reference):
+CUDA = [pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+# On CPU the writes go through shared memory; on one GPU through CUDA IPC (the same rules).
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=CUDA)])
+def cluster(request, tmp_path_factory, reference):
+    device = request.param
+    gpus = {"gpus": 1} if device == "cuda" else {}
     patch = pytest.MonkeyPatch()
     patch.setenv("PDSERVE_FAULT_KV_WRITE_PAUSE_S", str(PAUSE_S))  # workers started now only
     try:
-        running = start_cluster(tmp_path_factory.mktemp("shared-faults"), prefill=1, decode=1,
-                                dtype="float32", router_args=("--heartbeat-timeout-s", "3",
+        running = start_cluster(tmp_path_factory.mktemp(f"shared-faults-{device}"), prefill=1,
+                                decode=1, dtype="float32", device=device, **gpus,
+                                router_args=("--heartbeat-timeout-s", "3",
                                              "--local-prefill", "off"))  # every KV is written
     finally:
         patch.undo()

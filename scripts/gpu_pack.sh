@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Packs, on this (CPU) machine, what a GPU machine lacks to run scripts/gpu_check.sh, into .gpu/
+# (ignored by git; carry it to the GPU machine): wheels of the project's dependencies that such a
+# machine does not have (gRPC, protobuf, aiohttp, pydantic, ... at this checkout's versions, for
+# its Python: GPU_PYTHON_VERSION, default 3.12) and the default model's tokenizer files (the GPU
+# machine builds a random-weight checkpoint of the model's shape around them).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+PYVER="${GPU_PYTHON_VERSION:-3.12}"
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+rm -rf .gpu && mkdir -p .gpu/wheels .gpu/tokenizer
+model=$("$PY" -c "from engine.loader import resolve_model_path; print(resolve_model_path('default'))")
+for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
+  [ -f "$model/$f" ] && cp "$model/$f" .gpu/tokenizer/
+done
+NAMES="grpcio protobuf grpcio-health-checking grpcio-reflection aiohttp aiohappyeyeballs aiosignal
+  attrs frozenlist multidict propcache yarl idna pydantic pydantic-core annotated-types
+  typing-inspection typing-extensions prometheus-client"
+pins=$("$PY" - $NAMES <<'PYEOF'
+import sys
+from importlib.metadata import version
+print(" ".join(f"{name}=={version(name)}" for name in sys.argv[1:]))
+PYEOF
+)
+platforms=""
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do platforms="$platforms --platform $p"; done
+# shellcheck disable=SC2086 # one argument per pin and platform
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
+  --implementation cp $platforms -d .gpu/wheels $pins
+du -sh .gpu
+ls .gpu/wheels .gpu/tokenizer

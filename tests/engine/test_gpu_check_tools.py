@@ -1,0 +1,55 @@
+"""The GPU proof's tools, smoke-run on CPU: the decode-kernel bandwidth benchmark (tiny shapes,
+Triton interpreter; outputs checked against dense SDPA), the random stand-in for the default
+model, and gpu_check.sh refusing a stage it does not know."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import decode_kernel
+from engine.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_decode_kernel_benchmark_matches_dense_attention(tmp_path):
+    out = tmp_path / "kernels.json"
+    decode_kernel.main(["--device", "cpu", "--dtype", "float32", "--smoke", "--reps", "2",
+                        "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seqs"], r["ctx"], r["heads"]) for r in rows] == [(2, 64, 4), (1, 128, 9)]
+    for row in rows:
+        assert row["max_abs_error"] < 1e-4 and row["paged_gbps"] > 0 and row["dense_gbps"] > 0
+
+
+def test_a_random_checkpoint_stands_in_for_the_default_model(tmp_path, default_model_dir):
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.random_checkpoint", "tiny",
+                           "--tokenizer", str(default_model_dir), "--as-default",
+                           "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert path.is_relative_to(tmp_path / "cache") and (path / ".prepared").is_file()
+    assert (path / "tokenizer.json").is_file() and ModelConfig.from_dir(path).hidden_size == 64
+    resolved = subprocess.run([sys.executable, "-c", "from engine.loader import "
+                               "resolve_model_path; print(resolve_model_path('default'))"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert resolved.stdout.strip() == str(path)  # `default` now loads it, nothing converted
+
+
+def test_gpu_check_refuses_an_unknown_stage(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path),
+                           "--stage", "everything"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown stage everything" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_pack.sh"])
+def test_the_gpu_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0
