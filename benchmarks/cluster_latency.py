@@ -17,10 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 TOPOLOGIES = {"1p1d": dict(prefill=1, decode=1), "2p2d": dict(prefill=2, decode=2),
               "colocated": dict(prefill=0, decode=0, colocated=1)}

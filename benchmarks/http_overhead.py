@@ -24,11 +24,11 @@ from pathlib import Path
 
 from benchmarks.common import replace_marked
 from benchmarks.kv_transfer import cpu_model
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ONLINE_MIXED

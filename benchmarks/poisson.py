@@ -27,11 +27,11 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 TOPOLOGIES = {"1p1d": dict(prefill=1, decode=1), "colocated2": dict(prefill=0, decode=0,
                                                                     colocated=2),

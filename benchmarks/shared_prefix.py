@@ -29,10 +29,10 @@ from pathlib import Path
 
 from benchmarks.common import replace_marked
 from benchmarks.kv_transfer import cpu_model, text_tokens
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = "## Shared prefixes: cache-aware vs load-only placement"

@@ -7,8 +7,8 @@ One 1P+1D cluster (default model, float32, 1 thread per worker). A streaming req
 of `--chars` characters (real text, repeated) goes to the router, over gRPC and then over HTTP.
 Per case: the longest gap between two token messages of the running stream while the huge
 request was being answered, and how long its answer took, next to the longest gap of the same
-stream with nothing else sent. Medians over `--repeats`. The script only uses what every
-version of the router has (it also measures a checkout from before the fix, run from there).
+stream with nothing else sent. Medians over `--repeats`. The "before" figures in BENCHMARKS.md
+ran this script as of bb55997 (before the modules moved) from a worktree of the earlier commit.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 WARM_TOKENS = 20
 

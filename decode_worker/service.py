@@ -6,18 +6,18 @@ from collections.abc import Iterator
 
 import grpc
 
-from decode_worker.worker import DecodeWorker, NoRoom
-from engine.engine import RequestOutput
-from kv_transfer import IntegrityError, TransferError
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.convert import (
+from common.convert import (
     finish_reason_to_proto,
     logprob_from_proto,
     logprob_to_proto,
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from decode_worker.worker import DecodeWorker, NoRoom
+from engine.engine import RequestOutput
+from kv_transfer import IntegrityError, TransferError
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.gate import QueueFull
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]

@@ -28,8 +28,8 @@ def _host(setting: str) -> str:
 
 def _router_security(credentials: Credentials, internal_port: int) -> dict[str, Any]:
     """RouterOptions fields from the credential files, read here, on the router's node."""
-    from serving.auth import load_token
-    from serving.tls import ClusterTls, ServerTls
+    from security.auth import load_token
+    from security.tls import ClusterTls, ServerTls
 
     tls, mutual = credentials.tls, credentials.cluster_tls
     cluster_tls = ClusterTls.load(mutual.cert_file, mutual.key_file, mutual.ca_file)
@@ -40,8 +40,8 @@ def _router_security(credentials: Credentials, internal_port: int) -> dict[str, 
 
 def _worker_security(credentials: Credentials) -> dict[str, Any]:
     """WorkerOptions fields from the credential files, read here, on the worker's node."""
-    from serving.auth import load_token
-    from serving.tls import ClusterTls
+    from security.auth import load_token
+    from security.tls import ClusterTls
 
     mutual = credentials.cluster_tls
     return {"cluster_token": load_token(credentials.token_file),

@@ -4,7 +4,7 @@ starts. No ray here: the schema is checked (and tested) without a cluster.
 Schema (every key optional except where noted; unknown keys are errors):
 
     name: pdserve              # actor and placement-group names derive from it
-    cluster_token_file: null   # a path on every node: the cluster token (serving.auth)
+    cluster_token_file: null   # a path on every node: the cluster token (security.auth)
     tls:                       # TLS on the router's public ports (deploy.security), paths
       cert_file: null          #   on every node; cert and key together, with the CA that
       key_file: null           #   signed them (workers and the driver check the router)

@@ -143,7 +143,7 @@ def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, work
 def router_ca(config: DeployConfig) -> bytes | None:
     """The CA the router's public certificate is checked against, read on this (the driver's)
     node; None when the router serves plaintext."""
-    from serving.tls import read_ca
+    from security.tls import read_ca
 
     try:
         return read_ca(config.tls.ca_file)
@@ -153,7 +153,7 @@ def router_ca(config: DeployConfig) -> bytes | None:
 
 def _wait_registered(router_address: str, count: int, timeout_s: float,
                      root_ca: bytes | None = None) -> None:
-    from router.client import cluster_status
+    from common.client import cluster_status
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -217,8 +217,8 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float, message: str) -> 
 
 def status(config: DeployConfig) -> dict[str, Any]:
     """Nodes, every actor (its info, or why it does not answer), and the router's view."""
+    from common.client import cluster_status
     from pdserve_proto import pdserve_pb2 as pb
-    from router.client import cluster_status
 
     connect(config)
     nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": n["Alive"],

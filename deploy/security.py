@@ -93,7 +93,7 @@ def with_secure_dir(config: DeployConfigLike, directory: Path, node_ip: str | No
     tls, cluster_tls and cluster_token_file. The certificate names the router's and the workers'
     hosts ("node-ip" stands for `node_ip`): for one node, or a DIR every node sees at that path.
     The config must not name credentials of its own."""
-    from router.secure_dir import secure_files
+    from security.secure_dir import secure_files
 
     named = [key for key, on in (("cluster_token_file", config.cluster_token_file),
                                  ("tls", config.tls.enabled),

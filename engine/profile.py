@@ -1,6 +1,6 @@
 """Measure one worker's speed for the P:D planner (`python -m router plan`): how long prompts take
 to prefill and how long a decode step takes at each batch size, with the offline engine on this
-machine, fitted to the cost model the planner simulates (router.plan_sim.Profile).
+machine, fitted to the cost model the planner simulates (planner.simulator.Profile).
 
     .venv/bin/python -m engine.profile [--model default] [--dtype float32] [--threads 1]
         [--out profile.json]

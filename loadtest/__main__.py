@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         return run_locust(args, args.address)
-    from router.launch import ClusterSpec, LocalCluster
+    from launch.cluster import ClusterSpec, LocalCluster
 
     colocated = args.colocated
     spec = ClusterSpec(prefill=0 if colocated else args.prefill,

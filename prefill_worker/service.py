@@ -8,19 +8,19 @@ from collections.abc import Callable
 
 import grpc
 
-from kv_transfer import KVPlace, TransferError
-from pdserve_proto import pdserve_pb2 as pb
-from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from prefill_worker.handoff import DecodeTarget, PrefillResult
-from prefill_worker.worker import PrefillWorker
-from serving.convert import (
+from common.convert import (
     finish_reason_to_proto,
     logprob_to_proto,
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from common.grpc_server import call_budget_s, internal_channel
+from kv_transfer import KVPlace, TransferError
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from prefill_worker.handoff import DecodeTarget, PrefillResult
+from prefill_worker.worker import PrefillWorker
 from serving.gate import QueueFull
-from serving.grpc_server import call_budget_s, internal_channel
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
 DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline

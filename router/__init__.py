@@ -1,1 +1,2 @@
-"""The gRPC front door (no torch): registry, placement, detokenization, deadlines."""
+"""The router process (no torch): front doors, one request's life, policy and the fleet; `server`
+wires them and serves."""

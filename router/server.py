@@ -9,26 +9,27 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.grpc_server import NO_DEADLINE_S, Server, start_server
 from engine.config import ModelConfig
 from engine.prepare import default_model_dir, is_prepared
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.admission import QUEUE_POLICIES, Admission
-from router.calls import DEFAULT_TIMEOUT_S
-from router.frontend import Frontend
-from router.http_api import HttpApi
+from router.fleet.registry import Role, WorkerRegistry
+from router.fleet.registry_service import WorkerRegistryServicer
+from router.frontdoor.grpc_api import GenerationServicer, add_generation_servicer
+from router.frontdoor.http_api import HttpApi
+from router.frontdoor.lenient import TRANSPORT_LIMIT_BYTES
+from router.frontdoor.validation import Frontend
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.placement import PlacementPolicy
-from router.prefill_site import PrefillSiteConfig, PrefillSitePolicy
-from router.registry import Role, WorkerRegistry
-from router.service import GenerationServicer, WorkerRegistryServicer, add_generation_servicer
-from router.stubs import WorkerStubs
-from router.wire import TRANSPORT_LIMIT_BYTES
-from serving import auth
-from serving.grpc_server import NO_DEADLINE_S, Server, start_server
-from serving.tls import ClusterTls, ServerTls
+from router.policy.admission import QUEUE_POLICIES, Admission
+from router.policy.placement import PlacementPolicy
+from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy
+from router.request.calls import DEFAULT_TIMEOUT_S
+from router.request.orchestrator import Orchestrator
+from router.request.worker_client import WorkerStubs
+from security import auth
+from security.tls import ClusterTls, ServerTls
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name[name].full_name
@@ -55,7 +56,7 @@ class RouterOptions:
     local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
     queue_policy: str = "short_first"  # which queued request a freed slot goes to
     queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
-    # The cluster token (serving.auth): workers must present it to register and heartbeat.
+    # The cluster token (security.auth): workers must present it to register and heartbeat.
     cluster_token: str | None = field(default=None, repr=False)
     tls: ServerTls | None = None  # TLS on the gRPC and HTTP ports (workers then need the CA)
     insecure: bool = False  # plaintext beyond loopback is intended: no warning

@@ -1,2 +1,2 @@
-"""What both worker roles share: the engine's step loop on its own thread, proto <-> domain
-conversion, the gRPC server bootstrap and the link to the router (registration + heartbeats)."""
+"""What both worker roles share: the engine's step loop on its own thread, the admission gate,
+worker metrics and options, the link to the router (registration + heartbeats) and start-up."""

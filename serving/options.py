@@ -7,10 +7,10 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
+from common.logs import LOG_FORMATS, LOG_LEVELS, add_logging_args
 from engine.config import SchedulerConfig
-from serving.auth import load_token
-from serving.logs import LOG_FORMATS, LOG_LEVELS, add_logging_args
-from serving.tls import ClusterTls, add_cluster_tls_args, read_ca
+from security.auth import load_token
+from security.tls import ClusterTls, add_cluster_tls_args, read_ca
 
 QUEUE_POLICIES = SchedulerConfig.QUEUE_POLICIES
 DECODE_PREFILL_CHUNK = {"cpu": 32, "cuda": 512}
@@ -42,7 +42,7 @@ class WorkerOptions:
     lease_s: float = 30.0  # decode: reserved blocks freed when no KV arrives in this time
     grace_s: float = 30.0  # drain: accepted work allowed to finish after SIGTERM
     log_level: str = "info"
-    log_format: str = "text"  # text | json (serving.logs)
+    log_format: str = "text"  # text | json (common.logs)
     metrics_port: int = 0  # Prometheus /metrics HTTP port on `host` (0: any free port)
     max_queued_requests: int = 1024  # new requests waiting on this worker beyond this: refused
     kv_transport: str = "auto"  # auto | shared | dist: how KV moves between P and D (kv_transfer)
@@ -57,7 +57,7 @@ class WorkerOptions:
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
-    # The cluster token (serving.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
+    # The cluster token (security.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
     cluster_token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None  # the CA the router's TLS certificate is checked against
     cluster_tls: ClusterTls | None = None  # mutual TLS with every other process of the cluster

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import grpc
 
+from common.grpc_server import internal_channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import internal_channel
 from serving.loop import LoadSnapshot
 
 log = logging.getLogger(__name__)

@@ -11,19 +11,19 @@ from typing import Protocol
 
 import grpc
 
+from common.grpc_server import Server, start_server
+from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from kv_transfer import device_identity, local_host_id
 from pdserve_proto import pdserve_pb2 as pb
-from serving import auth
+from security import auth
+from security.tls import read_ca
 from serving.gate import Gate
-from serving.grpc_server import Server, start_server
-from serving.logs import configure_logging
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions, parse_worker_args
 from serving.router_link import ROLES, RouterLink, load_to_proto
-from serving.tls import read_ca
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_server import channel
+from launch.cluster import ClusterSpec, LocalCluster
 from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import ClusterSpec, LocalCluster
-from serving.grpc_server import channel
 
 KV_CACHE_GB = 0.25  # per worker: plenty for the tests, small enough for 4 workers on 24 GiB
 MAX_TOKENS = 12
@@ -79,8 +79,8 @@ def stream_all(address: str, prompts: list[list[int]], concurrency: int = 16,
 def secure_spec(tmp: Path) -> dict[str, str]:
     """Secure mode for start_cluster: a cluster token, TLS on the router's public ports and
     mutual TLS between every process, from a throwaway CA."""
-    from serving.auth import new_token
-    from serving.certs import make_certs
+    from security.auth import new_token
+    from security.certs import make_certs
 
     certs = make_certs(tmp / "certs")
     token = tmp / "cluster.token"

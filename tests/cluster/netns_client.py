@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.client import cluster_status
 from pdserve_proto import pdserve_pb2 as pb
-from router.client import cluster_status
 from tests.cluster import netns
 from tests.cluster.cluster_helpers import greedy_request, scrape, stream_tokens
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from deploy.config import DeployConfig
-from router.launch import free_port
+from launch.cluster import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "pdserve-test"

@@ -17,9 +17,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import (
     greedy_request,
     long_prompt,

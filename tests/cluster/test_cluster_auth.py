@@ -23,14 +23,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.grpc_server import internal_channel
 from engine.config import CacheConfig
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving import auth
-from serving.auth import TOKEN_ENV, new_token
-from serving.certs import issue, make_certs
-from serving.grpc_server import internal_channel
-from serving.tls import ClusterTls
+from security import auth
+from security.auth import TOKEN_ENV, new_token
+from security.certs import issue, make_certs
+from security.tls import ClusterTls
 from tests.cluster.cluster_helpers import (
     greedy_request,
     scrape,

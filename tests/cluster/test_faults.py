@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import (
     greedy_request,
     long_prompt,

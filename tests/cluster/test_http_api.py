@@ -13,10 +13,10 @@ import time
 import openai
 import pytest
 
+from common.grpc_server import channel
+from launch.cluster import free_port
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import free_port
-from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import scrape, start_cluster, wait_blocks_free, wait_until
 
 pytestmark = pytest.mark.slow

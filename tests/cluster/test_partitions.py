@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from router.launch import REPO_ROOT
-from serving.auth import new_token
+from launch.cluster import REPO_ROOT
+from security.auth import new_token
 from tests.cluster import netns, netns_client
 from tests.cluster.cluster_helpers import long_prompt, offline_greedy, wait_until
 

@@ -16,15 +16,15 @@ import grpc
 import pytest
 import ray
 
+from common.grpc_server import internal_channel
 from deploy import deployment
 from deploy.config import ConfigError, DeployConfig
 from deploy.security import with_secure_dir
+from launch.cluster import free_port
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.launch import free_port
-from serving import auth
-from serving.grpc_server import internal_channel
-from serving.tls import ClusterTls
+from security import auth
+from security.tls import ClusterTls
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
 from tests.cluster.ray_helpers import (
     NAMESPACE,

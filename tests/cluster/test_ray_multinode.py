@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from common.client import cluster_status
 from deploy import deployment
-from router.client import cluster_status
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
 from tests.cluster.ray_helpers import NAMESPACE, export_checkout_to_ray, tiny_config
 

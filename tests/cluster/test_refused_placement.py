@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.server import Router, RouterOptions
-from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import greedy_request, rpc_error, stream_tokens
 
 GPU = "cuda:GPU-5c3e0d1a"

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel
 from tests.cluster.cluster_helpers import (
     greedy_request,
     offline_greedy,

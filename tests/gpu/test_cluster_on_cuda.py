@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from router.launch import ClusterSpec, LocalCluster, free_port
+from launch.cluster import ClusterSpec, LocalCluster, free_port
 from tests.cluster.cluster_helpers import (
     greedy_request,
     offline_greedy,

@@ -10,10 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.grpc_server import channel, start_server
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving import auth
-from serving.grpc_server import channel, start_server
+from security import auth
 
 TOKEN = "s3cret-token-of-the-test-cluster"
 REGISTRY = pb.DESCRIPTOR.services_by_name["WorkerRegistry"].full_name

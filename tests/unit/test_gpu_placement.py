@@ -1,5 +1,5 @@
 """GPU placement without a GPU: `router launch --device cuda` flags, spreading workers over GPUs
-(router.gpus), LocalCluster's worker command lines, GPU discovery, and CUDA KV cache sizing
+(launch.gpus), LocalCluster's worker command lines, GPU discovery, and CUDA KV cache sizing
 (torch.cuda's memory queries faked)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import engine.kv_sizing as kv_sizing
+from cli.cluster import _parser, launch_spec, main
 from engine.config import CacheConfig, ModelConfig, RopeConfig, SchedulerConfig, kv_bytes_per_block
-from router.__main__ import _parser, launch_spec, main
-from router.gpus import GpuError, GpuSlot, assign_gpus, place_worker, share_of, visible_gpus
-from router.launch import ClusterSpec, LocalCluster
+from launch.cluster import ClusterSpec, LocalCluster
+from launch.gpus import GpuError, GpuSlot, assign_gpus, place_worker, share_of, visible_gpus
 from serving.options import WorkerOptions, parse_worker_args
 
 GIB = 2**30

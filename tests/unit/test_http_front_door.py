@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from pdserve_proto import pdserve_pb2 as pb
-from router.calls import CallScope, RouterError
-from router.http_api import MAX_BODY_BYTES, HttpApi
+from router.frontdoor.http_api import MAX_BODY_BYTES, HttpApi
+from router.frontdoor.request_log import RequestLog, RequestRecord
 from router.metrics import RouterMetrics
-from router.request_log import RequestLog, RequestRecord
+from router.request.calls import CallScope, RouterError
 
 MODEL = "tiny"
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kv_transfer.selection import KVPlace, TransportRefused, choose_transport, local_host_id
-from router.placement import PlacementPolicy
-from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.policy.placement import PlacementPolicy
 
 GPU0, GPU1 = "cuda:GPU-0a1b", "cuda:GPU-9f8e"
 

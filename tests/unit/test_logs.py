@@ -9,8 +9,8 @@ import logging
 import grpc
 import pytest
 
+from common.logs import JsonFormatter, TextFormatter, configure_logging
 from serving.gate import Gate
-from serving.logs import JsonFormatter, TextFormatter, configure_logging
 from serving.loop import LoadSnapshot
 from serving.metrics import WorkerMetrics
 

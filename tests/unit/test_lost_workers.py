@@ -1,6 +1,6 @@
 """The router abandons the calls in flight to a worker it dropped for missed heartbeats, so a
 request on a silently partitioned worker retries or migrates instead of hanging until its
-deadline (router.calls.LostWorkers, CallScope.watching)."""
+deadline (router.request.calls.LostWorkers, CallScope.watching)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from router.calls import CallScope, LostWorkers, RouterError
+from router.request.calls import CallScope, LostWorkers, RouterError
 
 
 class FakeCall:

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from pdserve_proto import pdserve_pb2 as pb
-from router.openai_wire import ApiError, logprobs_json, parse, timings, usage
+from router.frontdoor.openai_codec import ApiError, logprobs_json, parse, timings, usage
 
 MODEL = "tiny"
 

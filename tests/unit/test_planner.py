@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from router.__main__ import main as router_main
-from router.plan_sim import ClusterSim, Profile, Topology
-from router.planner import SLO, candidates, load_workload, plan, report
+from cli.cluster import main as router_main
+from planner.plan import SLO, candidates, load_workload, plan, report
+from planner.simulator import ClusterSim, Profile, Topology
 
 # A prefill-only step: 0.1 s + 1 ms per token; a decode step: 0.05 s + 10 ms per sequence.
 PROFILE = Profile(per_step_s=0.1, per_token_s=0.001, per_token2_s=0.0, decode_base_s=0.05,

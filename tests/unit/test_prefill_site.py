@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
+from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
 
 
 def inputs(prompt: int, cached: int = 0, queued: int = 0, pool: int | None = 10_000

@@ -1,4 +1,5 @@
-"""One set of request limits for both front doors (router.limits, checked in the Frontend): the
+"""One set of request limits for both front doors (router.frontdoor.limits, checked in the
+Frontend): the
 gRPC request an HTTP body becomes is held to exactly what a gRPC client's is. Tokenizer and
 config of the default model; no workers."""
 
@@ -7,14 +8,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from common.grpc_server import NO_DEADLINE_S, call_budget_s
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
-from router.calls import CallScope
-from router.frontend import Frontend
-from router.limits import MAX_CHAT_MESSAGES, MAX_TEXT_BYTES, MAX_TEXT_CHARS
-from router.openai_wire import parse
-from serving.grpc_server import NO_DEADLINE_S, call_budget_s
+from router.frontdoor.limits import MAX_CHAT_MESSAGES, MAX_TEXT_BYTES, MAX_TEXT_CHARS
+from router.frontdoor.openai_codec import parse
+from router.frontdoor.validation import Frontend
+from router.request.calls import CallScope
 
 MODEL = "m"
 

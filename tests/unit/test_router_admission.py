@@ -10,11 +10,11 @@ import pytest
 
 from engine.request import SamplingParams
 from pdserve_proto import pdserve_pb2 as pb
-from router.admission import Admission, LeftQueue, QueueFull
-from router.events import continuation as _continuation
-from router.frontend import Job
-from router.placement import Suspects
-from router.wire import MAX_REQUEST_BYTES, Unparsable, find_bad_utf8, lenient
+from router.frontdoor.lenient import MAX_REQUEST_BYTES, Unparsable, find_bad_utf8, lenient
+from router.frontdoor.validation import Job
+from router.policy.admission import Admission, LeftQueue, QueueFull
+from router.policy.placement import Suspects
+from router.request.events import continuation as _continuation
 
 
 def _far() -> float:

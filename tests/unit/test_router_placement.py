@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from router.placement import PlacementPolicy
-from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.policy.placement import PlacementPolicy
 
 
 class Clock:

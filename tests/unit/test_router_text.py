@@ -11,7 +11,7 @@ import pytest
 from decode_worker.reservations import LeaseState, ReservationTable
 from engine.request import Request, SamplingParams
 from engine.tokenizer import Tokenizer
-from router.detokenizer import IncrementalText
+from router.frontdoor.detokenizer import IncrementalText
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def tokenizer(default_model_dir) -> Tokenizer:
 
 
 def test_router_imports_no_torch():
-    code = ("import sys, router.server, router.launch, router.client; "
+    code = ("import sys, router.server, launch.cluster, common.client; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

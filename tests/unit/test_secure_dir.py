@@ -8,10 +8,10 @@ import stat
 import pytest
 from cryptography import x509
 
+from cli.cluster import _parser, launch_spec
 from deploy.__main__ import load_config
 from deploy.config import DeployConfig
 from deploy.security import with_secure_dir
-from router.__main__ import _parser, launch_spec
 
 
 def spec(*argv: str):

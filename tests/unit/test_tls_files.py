@@ -8,8 +8,8 @@ import ipaddress
 import pytest
 from cryptography import x509
 
-from serving.certs import make_certs
-from serving.tls import ServerTls, read_ca
+from security.certs import make_certs
+from security.tls import ServerTls, read_ca
 
 
 def test_certs_are_a_ca_and_a_server_certificate_it_signed_for_the_hosts(tmp_path):
@@ -46,7 +46,7 @@ def test_the_certificate_serves_both_ends_and_issue_sets_its_validity(tmp_path):
 
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    from serving.certs import issue
+    from security.certs import issue
 
     paths = make_certs(tmp_path)
     server = x509.load_pem_x509_certificate(paths["server.pem"].read_bytes())
@@ -61,7 +61,7 @@ def test_the_certificate_serves_both_ends_and_issue_sets_its_validity(tmp_path):
 
 def test_cluster_tls_takes_all_three_files_or_none(tmp_path):
     from router.server import RouterOptions
-    from serving.tls import ClusterTls
+    from security.tls import ClusterTls
 
     paths = make_certs(tmp_path)
     cert, key, ca = (str(paths[n]) for n in ("server.pem", "server.key", "ca.pem"))

@@ -1,7 +1,8 @@
 """The JSON bodies of OpenAI's /v1/completions and /v1/chat/completions as pydantic models (as
 vLLM's protocol layer parses them): types, the wire's integer ranges and the fields this server
 cannot honour are checked here; every other limit (temperature <= 2, logprobs <= 20, text
-sizes...) is the gRPC API's (router.limits), checked once for both front doors. A validation
+sizes...) is the gRPC API's (router.frontdoor.limits), checked once for both front doors. A
+validation
 error becomes one 400 message naming the field."""
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serving import auth
-from serving.tls import ClusterTls, ServerTls
+from security import auth
+from security.tls import ClusterTls, ServerTls
 
 # Messages carry token ids and KV-free metadata only; 16 MiB bounds a request's size.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -58,7 +58,7 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
                  tls: ServerTls | ClusterTls | None = None) -> Server:
     """Bind host:port (port 0 picks a free one), register the services plus health and
     reflection, start, and mark every service SERVING. With a cluster token configured
-    (serving.auth), calls to the `internal` services must carry it (`on_refused(method)`
+    (security.auth), calls to the `internal` services must carry it (`on_refused(method)`
     counts those that do not). With `tls`, the port speaks TLS only (a ClusterTls: mutual TLS,
     every caller presenting a certificate of the cluster CA)."""
     options = [("grpc.max_receive_message_length", max_receive_bytes),
@@ -98,7 +98,7 @@ def channel(address: str, root_ca: bytes | None = None) -> grpc.Channel:
 
 def internal_channel(address: str, root_ca: bytes | None = None) -> grpc.Channel:
     """A channel to another process of the cluster: mutual TLS when this process has a cluster
-    certificate (serving.auth.configure), else as `channel`."""
+    certificate (security.auth.configure), else as `channel`."""
     tls = auth.current_tls()
     if tls is None:
         return channel(address, root_ca)

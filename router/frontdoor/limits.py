@@ -1,7 +1,8 @@
 """A request's limits, one set for both front doors (gRPC and OpenAI HTTP), checked once in
-router.frontend. The HTTP layer checks only JSON types and what fits the wire's fields; every
+router.frontdoor.validation. The HTTP layer checks only JSON types and what fits the wire's
+fields; every
 bound a user can hit is here, and its message names the field (in the gRPC API's spelling:
-router.openai_wire renames the fields for HTTP clients).
+router.frontdoor.openai_codec renames the fields for HTTP clients).
 
 Text is bounded by size before it is tokenized: tokenizing ~1M characters takes ~0.5 s on a CPU
 core (and releases the GIL, see engine.tokenizer), so no input can hold the router for long."""

@@ -15,16 +15,16 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from common.convert import sampling_to_proto
 from pdserve_proto import pdserve_pb2 as pb
-from router.calls import CallScope, LostWorkers, RouterError
-from router.events import Finished, Tokens, continuation, decode_events, transfer_secret
-from router.frontend import Job
+from router.fleet.registry import Role, Worker
+from router.frontdoor.validation import Job
 from router.metrics import RouterMetrics
-from router.placement import Charge, PlacementPolicy, Suspects
-from router.prefill_site import PrefillSitePolicy
-from router.registry import Role, Worker
-from router.stubs import WorkerStubs
-from serving.convert import sampling_to_proto
+from router.policy.placement import Charge, PlacementPolicy, Suspects
+from router.policy.prefill_site import PrefillSitePolicy
+from router.request.calls import CallScope, LostWorkers, RouterError
+from router.request.events import Finished, Tokens, continuation, decode_events, transfer_secret
+from router.request.worker_client import WorkerStubs
 
 log = logging.getLogger(__name__)
 LEASE_MARGIN_S = 5.0

@@ -77,7 +77,7 @@ class LostWorkers:
 
 class CallScope:
     def __init__(self, budget_s: float, lost: LostWorkers | None = None):
-        """`budget_s`: the seconds the request may take (serving.grpc_server.call_budget_s)."""
+        """`budget_s`: the seconds the request may take (common.grpc_server.call_budget_s)."""
         self.deadline = time.monotonic() + budget_s
         self.cancelled = threading.Event()
         self.lost = lost  # the router's, set by the orchestrator: calls to workers it abandons

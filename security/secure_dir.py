@@ -20,8 +20,8 @@ FLAGS = ("tls_cert", "tls_key", "tls_ca", "cluster_cert", "cluster_key", "cluste
 def secure_files(directory: Path, hosts: list[str]) -> dict[str, str]:
     """ClusterSpec's credential fields for a cluster secured by the files in `directory`
     (created when missing; the certificate names `hosts`, 127.0.0.1 and localhost)."""
-    from serving.auth import new_token
-    from serving.certs import make_certs
+    from security.auth import new_token
+    from security.certs import make_certs
 
     directory.mkdir(parents=True, exist_ok=True)
     cert, key, ca = directory / "server.pem", directory / "server.key", directory / "ca.pem"

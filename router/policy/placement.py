@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from engine.block_manager import prefix_hashes
 from kv_transfer.selection import TransportRefused, choose_transport
-from router.prefill_site import SiteInputs
-from router.registry import Role, Worker, WorkerRegistry
+from router.fleet.registry import Role, Worker, WorkerRegistry
+from router.policy.prefill_site import SiteInputs
 
 
 @dataclass(frozen=True)

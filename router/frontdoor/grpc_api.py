@@ -1,5 +1,5 @@
-"""gRPC servicers of the router: the public Generation service and the internal WorkerRegistry.
-They translate proto <-> domain; policy lives in Frontend, Orchestrator and PlacementPolicy."""
+"""The router's public gRPC service (pdserve.v1.Generation): translates proto <-> domain; policy
+lives in the Frontend (validation), the Orchestrator and the PlacementPolicy."""
 
 from __future__ import annotations
 
@@ -9,25 +9,20 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from kv_transfer.selection import MODES
+from common.grpc_server import call_budget_s
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.admission import Admission, LeftQueue, QueueFull
-from router.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
-from router.detokenizer import IncrementalText
-from router.events import Finished, Tokens
-from router.frontend import Frontend, Job
+from router.fleet.registry_service import ROLE_TO_PROTO
+from router.frontdoor.detokenizer import IncrementalText
+from router.frontdoor.lenient import Unparsable, lenient
+from router.frontdoor.request_log import RequestLog, RequestRecord
+from router.frontdoor.validation import Frontend, Job
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.placement import PlacementPolicy
-from router.registry import Role, Worker, WorkerLoad, WorkerRegistry
-from router.request_log import RequestLog, RequestRecord
-from router.wire import Unparsable, lenient
-from serving.grpc_server import call_budget_s
-
-ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
-                   pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
-ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
+from router.policy.admission import Admission, LeftQueue, QueueFull
+from router.policy.placement import PlacementPolicy
+from router.request.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
+from router.request.events import Finished, Tokens
+from router.request.orchestrator import Orchestrator
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -60,7 +55,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                record: RequestRecord, on_accepted: Callable[[Job], None] | None = None,
                rest_of_context: bool = False) -> Iterator[pb.GenerateResponse]:
-        """A request's responses, whatever the front end (gRPC here, HTTP in router.http_api):
+        """A request's responses, whatever the front end (gRPC here, HTTP in http_api):
         RouterError ends it with a status; `scope` carries its deadline and cancellation;
         `record` learns how it ended; `on_accepted` hears when it leaves the router's queue
         for a slot (the HTTP API then sends its status and headers); `rest_of_context`:
@@ -186,57 +181,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 running_requests=self.admission.running,
                                 metrics_address=self.metrics_address,
                                 http_address=self.http_address)
-
-
-class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
-    def __init__(self, registry: WorkerRegistry, model_name: str, heartbeat_interval_s: float):
-        self.registry = registry
-        self.model_name = model_name
-        self.heartbeat_interval_s = heartbeat_interval_s
-
-    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
-                 ) -> pb.RegisterResponse:
-        if request.role not in ROLE_FROM_PROTO:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {request.role} is not a "
-                          "worker role (prefill, decode or colocated)")
-        if request.model != self.model_name:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"worker serves model {request.model!r}; this router serves "
-                          f"{self.model_name!r}")
-        if not request.worker_id or not request.address or request.block_size < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "worker_id, address and block_size >= 1 are required")
-        if request.kv_transport not in ("", *MODES):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
-                          f"{', '.join(MODES)}, got {request.kv_transport!r}")
-        self.registry.register(Worker(
-            worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
-            address=request.address, block_size=request.block_size,
-            max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
-            load=_load(request.load), metrics_address=request.metrics_address,
-            host_id=request.host_id, kv_device=request.kv_device or "cpu",
-            kv_transport=request.kv_transport or "auto",
-            kv_export_address=request.kv_export_address,
-            prefix_hashes=_prefix(request.load) or frozenset()))
-        return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
-
-    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
-                  ) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(known=self.registry.heartbeat(
-            request.worker_id, _load(request.load), draining=request.draining,
-            prefix_hashes=_prefix(request.load)))
-
-
-def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:
-    """The worker's prefix-cache digest, when this report carries one."""
-    return frozenset(load.prefix.block_hashes) if load.HasField("prefix") else None
-
-
-def _load(load: pb.WorkerLoad) -> WorkerLoad:
-    return WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
-                      running_requests=load.running_requests,
-                      waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
-                      total_blocks=load.total_blocks)
 
 
 def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:

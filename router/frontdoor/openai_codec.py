@@ -1,7 +1,8 @@
 """OpenAI's HTTP API <-> the router's requests: JSON bodies of /v1/completions and
 /v1/chat/completions become a pb.GenerateRequest (the same request the gRPC API takes, so
 everything after this — validation, admission, placement — is shared), and the router's responses
-become OpenAI's JSON objects and stream chunks. Plain Python over dicts; router.http_api serves it.
+become OpenAI's JSON objects and stream chunks. Plain Python over dicts; router.frontdoor.http_api
+serves it.
 
 Fields: model, prompt (text, token ids, or a batch of one), messages (roles system, developer,
 user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
@@ -24,7 +25,12 @@ import grpc
 from pydantic import ValidationError
 
 from pdserve_proto import pdserve_pb2 as pb
-from router.openai_schema import ChatRequest, CompletionRequest, UnsupportedField, describe
+from router.frontdoor.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    UnsupportedField,
+    describe,
+)
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
           pb.FINISH_REASON_ABORT: "abort"}
@@ -101,7 +107,7 @@ class ApiRequest:
 
 def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
     """A request body (ApiError 400 naming the field and its limit, 404 for another model).
-    Types and wire ranges are checked here (router.openai_schema); the limits both front doors
+    Types and wire ranges are checked here (openai_schema); the limits both front doors
     share are checked later, once, by the router's frontend."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")

@@ -9,7 +9,7 @@ goodput for a workload at an SLO.
 `max_tokens` (the benchmarks' online_mixed.jsonl as it is). --slo: JSON `{"ttft_s": 8,
 "tpot_s": 0.2}`. --profile: one worker's measured speed (`python -m engine.profile` writes it);
 without it the planner measures one first (minutes, with the default model, 1 thread). Each
-candidate serves the same Poisson arrivals in the model of router.plan_sim; a request counts
+candidate serves the same Poisson arrivals in the model of planner.simulator; a request counts
 when its TTFT and its mean inter-token gap both meet the SLO, goodput = those per second of the
 run (benchmarks.poisson's definition).
 """
@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.plan_sim import ClusterSim, Profile, SimRequest, Topology
+from planner.simulator import ClusterSim, Profile, SimRequest, Topology
 
 PROFILE_TIMEOUT_S = 1800.0
 

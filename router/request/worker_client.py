@@ -7,10 +7,10 @@ import threading
 
 import grpc
 
+from common.grpc_server import internal_channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.registry import Worker
-from serving.grpc_server import internal_channel
+from router.fleet.registry import Worker
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0

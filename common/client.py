@@ -1,5 +1,5 @@
-"""`python -m router client`: stream a generation from a running cluster to stdout; the
-cluster's status."""
+"""A client of the public API: stream a generation from a running cluster to stdout
+(`pdserve client`, `python -m router client`), and the cluster's status."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 
 import grpc
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_server import channel
 
 
 def build_request(prompt: str | None, chat: str | None, max_tokens: int, temperature: float,

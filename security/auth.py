@@ -5,7 +5,7 @@ and reflection stay open.
 
 The token comes from `--cluster-token-file PATH` (any process) or the `PDSERVE_CLUSTER_TOKEN`
 environment variable — never from the command line, where `ps` shows it. A process that has one
-attaches it to every channel it opens (`serving.grpc_server.channel`) and checks it on its
+attaches it to every channel it opens (`common.grpc_server.channel`) and checks it on its
 internal services (`start_server(..., internal=...)`): `configure` is called once, at start.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from serving.tls import ClusterTls
+from security.tls import ClusterTls
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"

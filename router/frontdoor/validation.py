@@ -8,18 +8,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.convert import sampling_from_proto
 from engine.config import ModelConfig
 from engine.request import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
-from router.limits import (
+from router.frontdoor.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
     MAX_REQUEST_ID_CHARS,
     check_sampling,
     check_text,
 )
-from serving.convert import sampling_from_proto
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`python -m router launch`: start the whole cluster on this machine (router.launch), print how
+"""`python -m router launch`: start the whole cluster on this machine (launch.cluster), print how
 to reach it, and run until Ctrl-C or a process exits."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from router.launch import ClusterSpec, LocalCluster
+from launch.cluster import ClusterSpec, LocalCluster
 
 
 def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:

@@ -1,7 +1,8 @@
-"""A discrete-event model of a cluster serving a workload, for the P:D planner (router.planner).
+"""A discrete-event model of a cluster serving a workload, for the P:D planner (planner.plan).
 Plain Python: workers are step loops whose step time comes from a measured Profile
 (engine.profile), the router's placement and its conditional-disaggregation policy are the real
-one's rules (`router.prefill_site` itself), and every request's TTFT and inter-token gaps come out.
+one's rules (`router.policy.prefill_site` itself), and every request's TTFT and inter-token
+gaps come out.
 
 Each worker runs the engine's step: the running requests decode one token each, and waiting
 prompts fill the rest of the 512-token budget (a prefill or colocated worker: up to the budget per
@@ -17,7 +18,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from router.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
+from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
 
 STEP_TOKENS = 512  # the workers' step budget
 AGE_BOUND_S = 4.0  # short_first: older waiting prompts go first

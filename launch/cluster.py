@@ -15,9 +15,10 @@ from pathlib import Path
 
 import grpc
 
-from pdserve_proto import pdserve_pb2 as pb
-from router.client import cluster_status
-from router.gpus import (
+from common.client import cluster_status
+from common.grpc_server import wait_healthy
+from common.logs import LOG_FORMATS, LOG_LEVELS
+from launch.gpus import (
     MAX_FRACTION_PER_GPU,
     GpuSlot,
     assign_gpus,
@@ -25,9 +26,8 @@ from router.gpus import (
     planned_per_gpu,
     visible_gpus,
 )
-from serving.grpc_server import wait_healthy
-from serving.logs import LOG_FORMATS, LOG_LEVELS
-from serving.tls import read_ca
+from pdserve_proto import pdserve_pb2 as pb
+from security.tls import read_ca
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     http_port: int | None = None  # the router's OpenAI HTTP API (None: any free port; 0: off)
-    cluster_token_file: str | None = None  # passed to every process (serving.auth)
+    cluster_token_file: str | None = None  # passed to every process (security.auth)
     # TLS on the router's ports (gRPC and HTTP); the workers and this launcher trust tls_ca.
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -57,7 +57,7 @@ class ClusterSpec:
     cluster_cert: str | None = None
     cluster_key: str | None = None
     cluster_ca: str | None = None
-    device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (router.gpus)
+    device: str = "cpu"  # cpu, or cuda: the workers spread over the GPUs (launch.gpus)
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
@@ -169,7 +169,7 @@ class LocalCluster:
     def spawn_worker(self, role: str) -> str:
         """Start one more worker process (it registers with the router on its own); its name is
         also its worker id, e.g. "decode-2". On CUDA it gets the GPU with the fewest live
-        workers (router.gpus.place_worker), so a replacement takes a dead worker's place."""
+        workers (launch.gpus.place_worker), so a replacement takes a dead worker's place."""
         name, args = self.worker_command(role)
         self._spawn(name, args)
         return name

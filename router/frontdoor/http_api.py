@@ -2,7 +2,7 @@
 `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream: true`),
 `GET /v1/models`, `GET /health`, `GET /metrics`.
 
-Handlers only translate (router.openai_wire): each request runs through the same
+Handlers only translate (router.frontdoor.openai_codec): each request runs through the same
 GenerationServicer.stream as a gRPC one — same admission queue, placement, limits and metrics —
 on a thread of its own, its responses handed to the event loop. A client that goes away (the
 handler is cancelled, or a write fails) cancels the request's CallScope, which aborts it on its
@@ -28,14 +28,14 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve_proto import pdserve_pb2 as pb
-from router import openai_wire as wire
-from router.calls import CallScope, RouterError
-from router.registry import Role
-from router.request_log import RequestRecord
-from router.service import GenerationServicer
+from router.fleet.registry import Role
+from router.frontdoor import openai_codec as wire
+from router.frontdoor.grpc_api import GenerationServicer
+from router.frontdoor.request_log import RequestRecord
+from router.request.calls import CallScope, RouterError
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.limits
+MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.frontdoor.limits
 JSON_TYPE = re.compile(r"application/([\w.+-]+\+)?json")
 START_TIMEOUT_S = 30.0
 DONE = object()  # the end of a request's responses

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
-from router.calls import CallScope, RouterError, worker_error
-from router.frontend import Job
+from router.frontdoor.validation import Job
+from router.request.calls import CallScope, RouterError, worker_error
 
 
 @dataclasses.dataclass

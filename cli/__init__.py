@@ -1,0 +1,1 @@
+"""The command line: `pdserve` and its subcommands, and the streaming client."""

@@ -1,0 +1,66 @@
+"""The internal WorkerRegistry service: workers register and heartbeat their load; it only
+translates proto <-> the registry's domain objects."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv_transfer.selection import MODES
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
+
+ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
+                   pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
+ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
+
+
+class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
+    def __init__(self, registry: WorkerRegistry, model_name: str, heartbeat_interval_s: float):
+        self.registry = registry
+        self.model_name = model_name
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext
+                 ) -> pb.RegisterResponse:
+        if request.role not in ROLE_FROM_PROTO:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {request.role} is not a "
+                          "worker role (prefill, decode or colocated)")
+        if request.model != self.model_name:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"worker serves model {request.model!r}; this router serves "
+                          f"{self.model_name!r}")
+        if not request.worker_id or not request.address or request.block_size < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "worker_id, address and block_size >= 1 are required")
+        if request.kv_transport not in ("", *MODES):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
+                          f"{', '.join(MODES)}, got {request.kv_transport!r}")
+        self.registry.register(Worker(
+            worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
+            address=request.address, block_size=request.block_size,
+            max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
+            load=_load(request.load), metrics_address=request.metrics_address,
+            host_id=request.host_id, kv_device=request.kv_device or "cpu",
+            kv_transport=request.kv_transport or "auto",
+            kv_export_address=request.kv_export_address,
+            prefix_hashes=_prefix(request.load) or frozenset()))
+        return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+                  ) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(known=self.registry.heartbeat(
+            request.worker_id, _load(request.load), draining=request.draining,
+            prefix_hashes=_prefix(request.load)))
+
+
+def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:
+    """The worker's prefix-cache digest, when this report carries one."""
+    return frozenset(load.prefix.block_hashes) if load.HasField("prefix") else None
+
+
+def _load(load: pb.WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(queued_prompt_tokens=load.queued_prompt_tokens,
+                      running_requests=load.running_requests,
+                      waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
+                      total_blocks=load.total_blocks)
