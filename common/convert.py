@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.request import SamplingParams
@@ -28,19 +29,19 @@ def sampling_from_proto(options: Any) -> SamplingParams:
     top_p = options.top_p if options.HasField("top_p") else 1.0
     if not 0.0 <= top_p <= 1.0:
         raise ValueError(f"sampling.top_p must be in [0, 1], got {top_p:g}")
-    only_top_token = top_p == 0.0
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=(options.max_tokens if options.HasField("max_tokens")
                     else DEFAULT_MAX_TOKENS),
-        temperature=0.0 if only_top_token else options.temperature,
+        temperature=options.temperature,  # validated even when top_p 0 makes it greedy
         top_k=options.top_k if options.top_k != 0 else -1,
-        top_p=1.0 if only_top_token else top_p,
+        top_p=top_p or 1.0,
         seed=options.seed if options.HasField("seed") else None,
         stop=tuple(options.stop),
         stop_token_ids=tuple(options.stop_token_ids),
         ignore_eos=options.ignore_eos,
         logprobs=options.logprobs if options.HasField("logprobs") else None,
     )
+    return dataclasses.replace(params, temperature=0.0) if top_p == 0.0 else params
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:

@@ -3,6 +3,7 @@ lives in the Frontend (validation), the Orchestrator and the PlacementPolicy."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from router.policy.placement import PlacementPolicy
 from router.request.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
 from router.request.events import Finished, Tokens
 from router.request.orchestrator import Orchestrator
+
+log = logging.getLogger(__name__)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -50,6 +53,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RouterError as exc:
             context.abort(exc.code, exc.message)
         finally:
+            scope.cancel()  # whatever ended it, nothing keeps running on the workers
             self.requests.finish(record, scope.expired())
 
     def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
@@ -65,6 +69,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RouterError as exc:
             record.failed(exc.code, exc.message)
             raise
+        except Exception as exc:  # a bug, not the request: INTERNAL with its cause
+            log.exception("request %s failed", record.request_id)
+            record.failed(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+            raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {exc}") from exc
 
     def _accept(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                 record: RequestRecord, on_accepted: Callable[[Job], None] | None,

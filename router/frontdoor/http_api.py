@@ -19,12 +19,14 @@ import re
 import ssl
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve_proto import pdserve_pb2 as pb
@@ -36,6 +38,7 @@ from router.request.calls import CallScope, RouterError
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.frontdoor.limits
+STREAMING = web.RequestKey("streaming", bool)  # set on a request once its stream's status is out
 JSON_TYPE = re.compile(r"application/([\w.+-]+\+)?json")
 START_TIMEOUT_S = 30.0
 DONE = object()  # the end of a request's responses
@@ -128,10 +131,10 @@ class HttpApi:
             raise
         try:
             return await self._answer(http, api, scope, record)
-        except (asyncio.CancelledError, ConnectionError):
-            scope.cancel()  # the client went away: abort on the workers
-            raise
         finally:
+            # Finished, failed, or the client went away (CancelledError, ConnectionError): no
+            # work of this request keeps running on the workers.
+            scope.cancel()
             self.servicer.requests.finish(record, scope.expired())
 
     async def _answer(self, http: web.Request, api: wire.ApiRequest, scope: CallScope,
@@ -142,12 +145,17 @@ class HttpApi:
         first = await anext(responses)
         if isinstance(first, RouterError):
             return _error(wire.ApiError.from_status(first.code, first.message))
+
+        def done() -> None:  # the outcome is known: count it before the client reads the end
+            self.servicer.requests.finish(record, scope.expired())
+
         if not api.stream:  # a status sent early could not report a failure: it waits
-            return await self._json_reply(api, responses)
+            return await self._json_reply(api, responses, done)
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(http)  # accepted: the status and headers go now, not at TTFT
-        return await self._sse(reply, api, SseUsage(first.prompt_tokens), responses)
+        http[STREAMING] = True  # from here on an error is an SSE event, not a status
+        return await self._sse(reply, api, SseUsage(first.prompt_tokens), responses, done)
 
     async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
                    rest_of_context: bool) -> AsyncIterator[Accepted | pb.GenerateResponse
@@ -181,13 +189,15 @@ class HttpApi:
             if isinstance(item, RouterError):
                 return
 
-    async def _json_reply(self, api: wire.ApiRequest, responses: AsyncIterator
-                          ) -> web.Response:
+    async def _json_reply(self, api: wire.ApiRequest, responses: AsyncIterator,
+                          done: Callable[[], None]) -> web.Response:
         parts = []
         async for item in responses:
             if isinstance(item, RouterError):
+                done()
                 return _error(wire.ApiError.from_status(item.code, item.message))
             parts.append(item)
+        done()
         last = parts[-1]
         text = "".join(p.text for p in parts)
         logprobs = [lp for p in parts for lp in p.logprobs]
@@ -202,7 +212,7 @@ class HttpApi:
         return web.json_response(body)
 
     async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
-                   responses: AsyncIterator) -> web.StreamResponse:
+                   responses: AsyncIterator, done: Callable[[], None]) -> web.StreamResponse:
         if api.chat:
             extra = {"usage": usage.so_far()} if api.continuous_usage else {}
             await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}},
@@ -210,6 +220,7 @@ class HttpApi:
         offset = 0
         async for item in responses:
             if isinstance(item, RouterError):
+                done()
                 error = wire.ApiError.from_status(item.code, item.message)
                 await _event(reply, error.body())
                 break
@@ -218,6 +229,7 @@ class HttpApi:
                                   usage.so_far() if api.continuous_usage else None)
             offset += len(item.text)
             if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                done()
                 if api.include_usage:
                     await _event(reply, self._chunk(api, None, usage=wire.usage(item)))
                 break
@@ -277,13 +289,14 @@ class SseUsage:
 @web.middleware
 async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error in OpenAI's shape: aiohttp's own (no such route, wrong method, a body over
-    the limit) and anything unexpected, which is logged and answered 500 with its cause."""
+    the limit) and anything unexpected, which is logged and answered 500 with its cause. A
+    stream whose status and headers are out can take no second response: its error is raised."""
     try:
         return await handler(request)
     except wire.ApiError as exc:
         return _error(exc)
     except web.HTTPException as exc:
-        if exc.status < 400:
+        if exc.status < 400 or request.get(STREAMING):
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return _error(wire.ApiError(exc.status, f"{request.method} {request.path}: "
@@ -292,6 +305,8 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         raise
     except Exception as exc:  # noqa: BLE001 - never a bare 500
         log.exception("HTTP %s %s failed", request.method, request.path)
+        if request.get(STREAMING):
+            raise
         return _error(wire.ApiError(500, f"internal error: {exc!r}", "server_error"))
 
 
@@ -307,6 +322,9 @@ async def _json(http: web.Request) -> object:
         raise wire.ApiError(413, f"the request body is over the limit of {MAX_BODY_BYTES} "
                             f"bytes ({MAX_BODY_BYTES >> 20} MiB) ({exc.text})",
                             code="request_too_large") from None
+    except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. gzip that is not gzip
+        raise wire.ApiError(400, f"the request body cannot be read: "
+                            f"{str(exc).splitlines()[-1].strip()}") from None
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -15,6 +15,8 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_TEXT_CHARS = 1_000_000  # a prompt, or a chat's contents together, in characters
 MAX_TEXT_BYTES = 2 * 1024 * 1024  # the same in UTF-8 bytes (binds for wide characters)
 MAX_CHAT_MESSAGES = 4096
+MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (no model has a longer context)
+MAX_STOP_TOKEN_IDS = 4096
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -23,14 +25,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 def check_text(field: str, chars: int, num_bytes: int) -> None:
     """ValueError when a text input (`field`) is over the size limits."""
     if chars > MAX_TEXT_CHARS:
-        raise ValueError(f"{field} is {chars} characters; the limit is {MAX_TEXT_CHARS}")
+        raise ValueError(f"{field}: {chars} characters; the limit is {MAX_TEXT_CHARS}")
     if num_bytes > MAX_TEXT_BYTES:
-        raise ValueError(f"{field} is {num_bytes} bytes of UTF-8; the limit is {MAX_TEXT_BYTES} "
+        raise ValueError(f"{field}: {num_bytes} bytes of UTF-8; the limit is {MAX_TEXT_BYTES} "
                          f"({MAX_TEXT_BYTES // (1024 * 1024)} MiB)")
 
 
-def check_sampling(params: SamplingParams) -> None:
+def check_sampling(temperature: float) -> None:
     """The API's bounds beyond what SamplingParams itself requires."""
-    if params.temperature > MAX_TEMPERATURE:
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:  # NaN fails too
         raise ValueError(f"sampling.temperature must be in [0, {MAX_TEMPERATURE:g}], got "
-                         f"{params.temperature:g}")
+                         f"{temperature:g}")
+
+
+def check_token_ids(field: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise ValueError(f"{field} holds {count} token ids; the limit is {limit}")

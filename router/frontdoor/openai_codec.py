@@ -64,7 +64,7 @@ class ApiError(Exception):
         status, kind = HTTP_ERRORS.get(code, (500, "server_error"))
         for grpc_name, http_name in RENAMES:
             message = message.replace(grpc_name, http_name)
-        field = message.split(" ", 1)[0]  # validation messages start with the field's name
+        field = message.split(" ", 1)[0].rstrip(":")  # messages start with the field's name
         param = field if status == 400 and FIELD_NAME.fullmatch(field) else None
         return cls(status, message, kind, param)
 

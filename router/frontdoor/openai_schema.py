@@ -7,14 +7,20 @@ error becomes one 400 message naming the field."""
 
 from __future__ import annotations
 
+import reprlib
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from router.frontdoor.limits import MAX_LOGPROBS, MAX_PROMPT_TOKEN_IDS, MAX_STOP_TOKEN_IDS
+
 UINT32_MAX = (1 << 32) - 1
 INT32 = Field(ge=-(1 << 31), le=(1 << 31) - 1)
 # OpenAI takes any int64 seed; the gRPC API's is a uint64 (negative seeds map to it one to one).
-INT64 = Field(ge=-(1 << 63), le=(1 << 64) - 1)
+INT64 = Field(ge=-(1 << 63), le=(1 << 63) - 1)
+# How a refused value is quoted in a message: its start only, however large it is.
+SHORT = reprlib.Repr()
+SHORT.maxstring, SHORT.maxother, SHORT.maxlist, SHORT.maxdict = 60, 60, 6, 4
 
 
 def _utf8(text: str) -> str:
@@ -33,7 +39,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields this server cannot honour yet, with the value that means "not used".
 UNSUPPORTED = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
                "logit_bias": None, "suffix": None, "tools": None, "functions": None,
-               "tool_choice": None, "function_call": None}
+               "tool_choice": "none", "function_call": None}
 
 
 class StreamOptions(BaseModel):
@@ -52,7 +58,7 @@ class _Request(BaseModel):
     top_k: Annotated[int, INT32] | None = None
     seed: Annotated[int, INT64] | None = None
     stop: Any = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
     n: int | None = None
     stream: bool | None = None
@@ -88,7 +94,7 @@ class _Request(BaseModel):
         for field, neutral in UNSUPPORTED.items():
             value = extra.get(field, neutral)
             if value not in (neutral, None, [], {}):
-                raise UnsupportedField(field, f"is not supported here (got {value!r:.80})")
+                raise UnsupportedField(field, f"is not supported here (got {SHORT.repr(value)})")
 
 
 class UnsupportedField(ValueError):
@@ -113,6 +119,9 @@ class CompletionRequest(_Request):
                                                        for p in prompt):
             raise ValueError(f"holds {len(prompt)} prompts; batches of more than one are not "
                              "supported (send one request per prompt)")
+        if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(f"holds {len(prompt)} token ids; the limit is "
+                             f"{MAX_PROMPT_TOKEN_IDS}")
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = next((t for t in prompt if not 0 <= t <= UINT32_MAX), None)
@@ -159,7 +168,8 @@ class ChatRequest(_Request):
     max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
+    # bounded here too, so the error names this API's field (the number is the shared limit)
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 def describe(error: ValidationError) -> tuple[str, str]:
@@ -183,7 +193,7 @@ KINDS = {"string_type": "a string", "int_type": "an integer", "float_type": "a n
 
 def _phrase(error: dict[str, Any]) -> str:
     kind, ctx = error["type"], error.get("ctx") or {}
-    got = f", got {error.get('input')!r:.80}"
+    got = f", got {SHORT.repr(error.get('input'))}"
     if kind == "missing":
         return "is required"
     if kind in KINDS:

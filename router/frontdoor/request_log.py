@@ -29,6 +29,7 @@ class RequestRecord:
     ttft_s: float | None = None
     prefill_site: str = ""
     kv_transport: str = ""
+    finished: bool = False  # counted and logged (once)
 
     def failed(self, code: grpc.StatusCode, cause: str) -> None:
         self.code, self.cause = code, cause
@@ -39,8 +40,12 @@ class RequestLog:
         self.metrics = metrics
 
     def finish(self, record: RequestRecord, expired: bool = False) -> None:
-        """Count and log a request that ended; `expired`: its deadline had passed (a request
-        gRPC cancelled for that timed out, it was not cancelled by its client)."""
+        """Count and log a request that ended (once: later calls do nothing); `expired`: its
+        deadline had passed (a request gRPC cancelled for that timed out, it was not cancelled
+        by its client)."""
+        if record.finished:
+            return
+        record.finished = True
         if record.code is grpc.StatusCode.CANCELLED and expired:
             record.failed(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
         if record.code is grpc.StatusCode.CANCELLED and not record.cause:

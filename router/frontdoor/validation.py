@@ -16,9 +16,12 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
+    MAX_PROMPT_TOKEN_IDS,
     MAX_REQUEST_ID_CHARS,
+    MAX_STOP_TOKEN_IDS,
     check_sampling,
     check_text,
+    check_token_ids,
 )
 
 
@@ -62,14 +65,16 @@ class Frontend:
 
     def _sampling(self, options: pb.SamplingOptions) -> SamplingParams:
         try:
+            check_sampling(options.temperature)  # before top_p 0 makes it greedy
             params = sampling_from_proto(options)
-            check_sampling(params)
         except ValueError as exc:
             message = str(exc)
             raise ValueError(message if message.startswith("sampling.")
                              else f"sampling.{message}") from None
         check_text("sampling.stop", sum(len(s) for s in params.stop),
                    sum(len(s.encode()) for s in params.stop))
+        check_token_ids("sampling.stop_token_ids", len(params.stop_token_ids),
+                        MAX_STOP_TOKEN_IDS)
         self._check_ids("sampling.stop_token_ids", params.stop_token_ids)
         return params
 
@@ -87,6 +92,8 @@ class Frontend:
             check_text("prompt", len(request.prompt), len(request.prompt.encode()))
             ids = self.tokenizer.encode(request.prompt)
         elif kind == "prompt_token_ids":
+            check_token_ids("prompt_token_ids", len(request.prompt_token_ids.ids),
+                            MAX_PROMPT_TOKEN_IDS)
             ids = list(request.prompt_token_ids.ids)
         elif kind == "chat":
             ids = self._chat(request.chat)
@@ -102,8 +109,9 @@ class Frontend:
         if len(chat.messages) > MAX_CHAT_MESSAGES:
             raise ValueError(f"chat.messages holds {len(chat.messages)} messages; the limit is "
                              f"{MAX_CHAT_MESSAGES}")
-        check_text("chat", sum(len(m.content) for m in chat.messages),
-                   sum(len(m.content.encode()) for m in chat.messages))
+        texts = [t for m in chat.messages for t in (m.content, m.name, m.tool_call_id)]
+        check_text("chat.messages", sum(len(t) for t in texts),
+                   sum(len(t.encode()) for t in texts))
         try:
             return self.tokenizer.encode_chat([_message(i, m)
                                                for i, m in enumerate(chat.messages)])

@@ -348,7 +348,7 @@ def test_a_huge_chat_message_is_refused_before_it_is_tokenized(cluster, stub):
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a" * (15 << 20))])
     exc = rpc_error(lambda: stub.Complete(pb.GenerateRequest(chat=chat), timeout=60))
     assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert "chat is 15728640 characters; the limit is 1000000" in exc.details()
+    assert "chat.messages: 15728640 characters; the limit is 1000000" in exc.details()
 
 
 def test_the_router_logs_one_line_per_request_with_its_outcome(cluster, stub):

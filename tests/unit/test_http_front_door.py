@@ -36,7 +36,7 @@ class FakeServicer:
         self.default_timeout_s = 600.0
         self.hold = threading.Event()
         self.hold.set()
-        self.fail: RouterError | None = None
+        self.fail: Exception | None = None
         self.seen: list[pb.GenerateRequest] = []
 
     def stream(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
@@ -47,8 +47,11 @@ class FakeServicer:
         if on_accepted is not None:
             on_accepted(SimpleNamespace(token_ids=[1, 2, 3]))
         assert self.hold.wait(30)
-        if self.fail is not None:
+        if isinstance(self.fail, RouterError):
             record.failed(self.fail.code, self.fail.message)
+            raise self.fail
+        if self.fail is not None:  # a bug: the real servicer records INTERNAL and raises so
+            record.failed(grpc.StatusCode.INTERNAL, repr(self.fail))
             raise self.fail
         yield pb.GenerateResponse(token_ids=[7], text="a")
         yield pb.GenerateResponse(token_ids=[8, 9], text="bc")
@@ -185,3 +188,20 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(served):
     before = counted(servicer, "OK")
     send(address, "POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode())
     assert counted(servicer, "OK") == before + 1
+
+
+def test_a_body_that_cannot_be_read_is_a_400_and_a_bug_a_500_in_openais_shape(served):
+    servicer, address = served
+    status, _, data = send(address, "POST", "/v1/completions", b"not gzip at all",
+                           {"Content-Encoding": "gzip"})
+    assert status == 400 and "cannot be read" in json.loads(data)["error"]["message"]
+    servicer.fail = ValueError("a bug")
+    before = counted(servicer, "INTERNAL")
+    try:
+        status, _, data = send(address, "POST", "/v1/completions", json.dumps(
+            {"model": MODEL, "prompt": "x"}).encode())
+    finally:
+        servicer.fail = None
+    error = json.loads(data)["error"]
+    assert status == 500 and error["type"] == "server_error" and "a bug" in error["message"]
+    assert counted(servicer, "INTERNAL") == before + 1

@@ -71,7 +71,11 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [2**33]}, "stop_token_ids[0]",
      "<= 4294967295, got 8589934592"),
     ({"model": MODEL, "prompt": "x", "top_k": 2**40}, "top_k", "<= 2147483647"),
-    ({"model": MODEL, "prompt": "x", "seed": 2**64}, "seed", "<= 18446744073709551615"),
+    ({"model": MODEL, "prompt": "x", "seed": 2**63}, "seed", "<= 9223372036854775807"),
+    ({"model": MODEL, "prompt": [1] * 1_000_001}, "prompt", "the limit is 1000000"),
+    ({"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids",
+     "at most 4096"),
+    ({"model": MODEL, "prompt": "x", "echo": ["a" * 10_000] * 1000}, "echo", "..."),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty string"),
     ({"model": MODEL, "prompt": "\ud800"}, "prompt", "not valid UTF-8 text"),
     ({"model": MODEL, "prompt": "x", "stop": "a\udfff"}, "stop", "not valid UTF-8 text"),
@@ -99,6 +103,11 @@ def test_chat_refusals_and_an_unknown_model():
     error = refused({"model": MODEL, "messages": [{"role": "user", "content": "\ud800x"}]},
                     chat=True)
     assert error.param == "messages[0].content" and "not valid UTF-8" in error.message
+    error = refused({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                     "logprobs": True, "top_logprobs": 21}, chat=True)
+    assert error.param == "top_logprobs" and "<= 20, got 21" in error.message
+    assert parse({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                  "tool_choice": "none"}, True, MODEL).request.chat.messages  # no tools: fine
 
 
 def test_top_p_zero_negative_seeds_and_continuous_usage():

@@ -12,7 +12,12 @@ from common.grpc_server import NO_DEADLINE_S, call_budget_s
 from engine.config import ModelConfig
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
-from router.frontdoor.limits import MAX_CHAT_MESSAGES, MAX_TEXT_BYTES, MAX_TEXT_CHARS
+from router.frontdoor.limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_TEXT_BYTES,
+    MAX_TEXT_CHARS,
+)
 from router.frontdoor.openai_codec import parse
 from router.frontdoor.validation import Frontend
 from router.request.calls import CallScope
@@ -58,6 +63,9 @@ def test_top_p_zero_is_greedy_on_both_front_doors(frontend):
                                      "top_p": 0, "seed": 3}, False, MODEL).request, 0.0)
     for job in (grpc_job, http_job):
         assert job.params.greedy and job.params.top_p == 1.0
+    for bad in (5.0, -1.0, float("nan")):  # top_p 0 does not hide a bad temperature
+        assert "sampling.temperature must be in [0, 2]" in refusal(
+            frontend, grpc_request(temperature=bad, top_p=0.0))
     absent = frontend.parse(grpc_request(temperature=1.0), 0.0)  # absent top_p: disabled
     assert not absent.params.greedy and absent.params.top_p == 1.0
 
@@ -66,7 +74,7 @@ def test_any_int64_seed_maps_to_a_distinct_uint64(frontend):
     seeds = [frontend.parse(parse({"model": MODEL, "prompt": "x", "seed": seed}, False,
                                   MODEL).request, 0.0).params.seed
              for seed in (-1, -(2**63), 0, 2**63 - 1)]
-    assert seeds == [2**64 - 1, 2**63, 0, 2**63 - 1]
+    assert seeds == [2**64 - 1, 2**63, 0, 2**63 - 1]  # int64 onto uint64: one to one
 
 
 def test_text_is_capped_by_size_before_it_is_tokenized(frontend):
@@ -76,13 +84,18 @@ def test_text_is_capped_by_size_before_it_is_tokenized(frontend):
     assert f"the limit is {MAX_TEXT_BYTES}" in refusal(frontend, pb.GenerateRequest(prompt=wide))
     half = "a" * (MAX_TEXT_CHARS // 2 + 1)  # each message fits; together they do not
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=half)] * 2)
-    assert refusal(frontend, pb.GenerateRequest(chat=chat)).startswith("chat is ")
+    assert refusal(frontend, pb.GenerateRequest(chat=chat)).startswith("chat.messages: 1000002 ")
+    named = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x",
+                                                     name="n" * MAX_TEXT_CHARS)])
+    assert "the limit is 1000000" in refusal(frontend, pb.GenerateRequest(chat=named))
     many = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a")]
                            * (MAX_CHAT_MESSAGES + 1))
     assert "the limit is 4096" in refusal(frontend, pb.GenerateRequest(chat=many))
     stops = pb.SamplingOptions(stop=["a" * (MAX_TEXT_CHARS + 1)])
     assert refusal(frontend, pb.GenerateRequest(prompt="x", sampling=stops)).startswith(
-        "sampling.stop is")
+        "sampling.stop: ")
+    ids = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1] * (MAX_PROMPT_TOKEN_IDS + 1)))
+    assert "holds 1000001 token ids; the limit is 1000000" in refusal(frontend, ids)
 
 
 def test_developer_is_system_and_tool_turns_need_their_call_id(frontend):
