@@ -22,11 +22,12 @@ import random
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
 
+from benchmarks.poisson_report import Outcome, report
 from common.grpc_server import channel
 from launch.cluster import ClusterSpec, LocalCluster
 from loadtest.workloads import ONLINE_MIXED
@@ -37,29 +38,6 @@ TOPOLOGIES = {"1p1d": dict(prefill=1, decode=1), "colocated2": dict(prefill=0, d
                                                                     colocated=2),
               "colocated1": dict(prefill=0, decode=0, colocated=1)}
 WORKLOAD = ONLINE_MIXED
-
-
-@dataclass
-class Outcome:
-    arrival: float  # seconds after the run's start
-    kind: str = ""  # the workload row's kind: chat or long
-    prompt_tokens: int = 0
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    end: float | None = None
-    tokens: int = 0
-    error: str | None = None
-
-    @property
-    def tpot(self) -> float | None:
-        return sum(self.gaps) / len(self.gaps) if self.gaps else None
-
-    def met(self, ttft_slo: float, tpot_slo: float, max_gap: float | None = None) -> bool:
-        """Both SLOs met (TTFT, and TPOT = the mean gap); with `max_gap`, also no single gap
-        (a stall the user sees) longer than that."""
-        return self.error is None and self.ttft is not None and self.ttft <= ttft_slo and \
-            (self.tpot is None or self.tpot <= tpot_slo) and \
-            (max_gap is None or not self.gaps or max(self.gaps) <= max_gap)
 
 
 def plan(rates: list[float], n: int, cap: int, seed: int, repeats: int = 1
@@ -148,8 +126,6 @@ def load_results(path: Path) -> dict[str, dict[float, list[list[Outcome]]]]:
 
 
 def main() -> None:
-    from benchmarks.poisson_report import report
-
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--topologies", default="1p1d,colocated2")

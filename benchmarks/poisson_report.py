@@ -4,9 +4,34 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.poisson import Outcome
+
+@dataclass
+class Outcome:
+    """One request of a Poisson run, as the runner (benchmarks.poisson) saw it."""
+
+    arrival: float  # seconds after the run's start
+    kind: str = ""  # the workload row's kind: chat or long
+    prompt_tokens: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    end: float | None = None
+    tokens: int = 0
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        return sum(self.gaps) / len(self.gaps) if self.gaps else None
+
+    def met(self, ttft_slo: float, tpot_slo: float, max_gap: float | None = None) -> bool:
+        """Both SLOs met (TTFT, and TPOT = the mean gap); with `max_gap`, also no single gap
+        (a stall the user sees) longer than that."""
+        return self.error is None and self.ttft is not None and self.ttft <= ttft_slo and \
+            (self.tpot is None or self.tpot <= tpot_slo) and \
+            (max_gap is None or not self.gaps or max(self.gaps) <= max_gap)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- poisson:start -->", "<!-- poisson:end -->"

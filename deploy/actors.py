@@ -1,5 +1,5 @@
 """The Ray actors: each hosts one process of the cluster — the router or a worker — built from the
-same code the local launcher runs (router.server.Router, serving.worker_main.ServingWorker).
+same code the local launcher runs (router.server.Router, serving.worker_main.WorkerProcess).
 
 An actor that dies (its process killed, its node gone) is restarted by Ray up to max_restarts;
 its constructor runs again, so a worker loads its engine and registers with the router again,
@@ -90,7 +90,7 @@ class WorkerActor:
         from decode_worker.role import decode_role
         from prefill_worker.role import prefill_role
         from serving.options import WorkerOptions
-        from serving.worker_main import ServingWorker, build_engine
+        from serving.worker_main import WorkerProcess, build_engine
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         # A restarted worker may find the router restarting too: wait for it as long as a
@@ -101,7 +101,7 @@ class WorkerActor:
                                 **_worker_security(credentials), **engine)
         llm_engine = build_engine(options)
         make_role = prefill_role if role == "prefill" else decode_role
-        self.worker = ServingWorker(options, make_role(llm_engine, options),
+        self.worker = WorkerProcess(options, make_role(llm_engine, options),
                                     llm_engine.model_path.name)
         self.role, self.worker_id = role, worker_id
         self._stopped = threading.Event()

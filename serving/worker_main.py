@@ -28,8 +28,10 @@ from serving.router_link import ROLES, RouterLink, load_to_proto
 log = logging.getLogger(__name__)
 
 
-class ServedWorker(Protocol):
-    """What both roles' workers offer the bootstrap."""
+class RoleWorker(Protocol):
+    """A role's policy object (PrefillWorker, DecodeWorker): what it offers the bootstrap.
+    Names: a WorkerProcess runs one WorkerRole, whose `worker` is a RoleWorker; each role's
+    role.py builds its WorkerRole."""
 
     loop: EngineLoop
     metrics: WorkerMetrics
@@ -44,7 +46,7 @@ class WorkerRole:
     """A role as the bootstrap sees it: its worker, its gRPC service and where it hosts KV
     transfers."""
 
-    def __init__(self, worker: ServedWorker, service_names: list[str], transfer_host: str,
+    def __init__(self, worker: RoleWorker, service_names: list[str], transfer_host: str,
                  add_servicer: Callable[[grpc.Server], None], kv_export_address: str = ""):
         self.worker = worker
         self.loop = worker.loop
@@ -106,7 +108,7 @@ def registration(options: WorkerOptions, role: WorkerRole, address: str,
         kv_transport=options.kv_transport, kv_export_address=role.kv_export_address)
 
 
-class ServingWorker:
+class WorkerProcess:
     """A started worker: step loop, gRPC server, /metrics and router link, registered. The CLI
     runs it until a signal; a Ray actor (deploy/) runs the same object in its process."""
 
@@ -160,7 +162,7 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
     """Run until SIGINT/SIGTERM (or `stop` is set), drain, and return the exit code."""
     stop = stop or threading.Event()
     _install_signal_handlers(stop)
-    worker = ServingWorker(options, role, model_name)
+    worker = WorkerProcess(options, role, model_name)
     try:
         print(f"{options.role} worker {options.worker_id} serving on {worker.address} "
               f"(metrics: http://{worker.metrics_address}/metrics)", flush=True)

@@ -1,12 +1,10 @@
 """The domain events a request's path through the cluster yields (the servicer turns them into
-proto), and the request as a retry or migration resends it."""
+proto), a decode stream read as those events, and the request as a retry or migration resends
+it."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
-import secrets
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -54,15 +52,6 @@ class Finished:
             self.prefill_queue_s, self.prefill_compute_s = chunk.queue_s, chunk.prefill_s
         else:
             self.decode_admission_s = chunk.admission_s
-
-
-_SECRET_KEY = secrets.token_bytes(32)  # this router process's: secrets die with it
-
-
-def transfer_secret(job: Job) -> str:
-    """The secret a request attempt's KV transfer must present to its decode reservation: only
-    the prefill worker the router places on the attempt learns it (in its Prefill call)."""
-    return hmac.new(_SECRET_KEY, job.worker_request_id.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def continuation(job: Job, emitted: list[int], attempt: int) -> Job:

@@ -23,7 +23,8 @@ from router.metrics import RouterMetrics
 from router.policy.placement import Charge, PlacementPolicy, Suspects
 from router.policy.prefill_site import PrefillSitePolicy
 from router.request.calls import CallScope, LostWorkers, RouterError
-from router.request.events import Finished, Tokens, continuation, decode_events, transfer_secret
+from router.request.events import Finished, Tokens, continuation, decode_events
+from router.request.transfer_secret import transfer_secret
 from router.request.worker_client import WorkerStubs
 
 log = logging.getLogger(__name__)

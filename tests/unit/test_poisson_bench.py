@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.poisson import Outcome, plan
-from benchmarks.poisson_report import combined, summary
+from benchmarks.poisson import plan
+from benchmarks.poisson_report import Outcome, combined, summary
 
 
 def test_plans_are_seeded_disjoint_and_capped():
