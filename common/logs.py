@@ -26,10 +26,15 @@ def logging_argv(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--log-level", args.log_level, "--log-format", args.log_format)
 
 
-def configure_logging(level: str = "info", log_format: str = "text") -> None:
+def check_logging(level: str, log_format: str) -> None:
+    """ValueError naming the flags when either value is not one they take."""
     if level not in LOG_LEVELS or log_format not in LOG_FORMATS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} and --log-format "
                          f"one of {', '.join(LOG_FORMATS)}, got {level!r} and {log_format!r}")
+
+
+def configure_logging(level: str = "info", log_format: str = "text") -> None:
+    check_logging(level, log_format)
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()

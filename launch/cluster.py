@@ -17,7 +17,7 @@ import grpc
 
 from common.client import cluster_status
 from common.grpc_server import wait_healthy
-from common.logs import LOG_FORMATS, LOG_LEVELS
+from common.logs import check_logging
 from launch.gpus import (
     MAX_FRACTION_PER_GPU,
     GpuSlot,
@@ -79,9 +79,7 @@ class ClusterSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
-        if self.log_level not in LOG_LEVELS or self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} and "
-                             f"--log-format one of {', '.join(LOG_FORMATS)}")
+        check_logging(self.log_level, self.log_format)
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
                              f"{self.kv_transport!r}")

@@ -46,9 +46,8 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve_router_e2e_seconds", "Arrival to the last token of a "
                              "finished request", registry=self.registry,
                              buckets=LATENCY_BUCKETS)
-        self.requests = Counter("pdserve_router_requests", "Requests ended, by front door "
-                                "(grpc, http) and gRPC status code (OK, or why it was refused "
-                                "or failed; HTTP statuses map to their gRPC codes)",
+        self.requests = Counter("pdserve_router_requests", "Requests ended, by front door and "
+                                "outcome (a gRPC code; HTTP statuses map to theirs)",
                                 ["api", "code"], registry=self.registry)
         self.retries = Counter("pdserve_router_retries", "Prefill attempts retried on another "
                                "worker after a failure", registry=self.registry)

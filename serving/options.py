@@ -7,7 +7,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
-from common.logs import LOG_FORMATS, LOG_LEVELS, add_logging_args
+from common.logs import add_logging_args, check_logging
 from engine.config import SchedulerConfig
 from security.auth import load_token
 from security.tls import ClusterTls, add_cluster_tls_args, read_ca
@@ -65,9 +65,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "colocated"):
             raise ValueError(f"role must be prefill, decode or colocated, got {self.role!r}")
-        if self.log_level not in LOG_LEVELS or self.log_format not in LOG_FORMATS:
-            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} and "
-                             f"--log-format one of {', '.join(LOG_FORMATS)}")
+        check_logging(self.log_level, self.log_format)
         if ":" not in self.router:
             raise ValueError(f"--router must be host:port, got {self.router!r}")
         for name in ("port", "metrics_port"):
