@@ -74,7 +74,7 @@ def installed(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("installed")
     build = tmp_path_factory.mktemp("source")
     shutil.copytree(REPO_ROOT, build / "pdserve", ignore=shutil.ignore_patterns(
-        ".venv", ".git", "__pycache__", "*.egg-info", "build", "logs"))
+        ".venv", ".git", ".gpu", "__pycache__", "*.egg-info", "build", "logs"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(target), str(build / "pdserve")],
                    check=True, capture_output=True, timeout=300)
