@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -35,11 +36,26 @@ def check_logging(level: str, log_format: str) -> None:
 
 def configure_logging(level: str = "info", log_format: str = "text") -> None:
     check_logging(level, log_format)
-    handler = logging.StreamHandler()
+    handler = CurrentStderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    for old in [h for h in root.handlers if isinstance(h, CurrentStderrHandler)]:
+        root.removeHandler(old)  # ours from an earlier call; others' handlers stay
+    root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+class CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record comes (a test runner swaps it per test;
+    a handler holding the old one would write to a closed file)."""
+
+    @property
+    def stream(self) -> Any:  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def fields_of(record: logging.LogRecord) -> dict[str, Any]:
