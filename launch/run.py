@@ -22,7 +22,7 @@ def run_until_interrupted(spec: ClusterSpec, log_dir: Path | None) -> int:
     print(f"cluster ready: {cluster.address}  "
           f"({spec.prefill} prefill + {spec.decode} decode, {spec.colocated} colocated"
           f"{_gpu_note(cluster)})\n"
-          f"try: .venv/bin/python -m router client --address {cluster.address}{ca} \"Hello!\"\n"
+          f"try: pdserve client --address {cluster.address}{ca} \"Hello!\"\n"
           + (f"OpenAI-compatible API: http{'s' if ca else ''}://{http}/v1\n" if http else "")
           + "Ctrl-C stops everything.", flush=True)
     try:
