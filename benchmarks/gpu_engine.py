@@ -20,6 +20,7 @@ generated). `first_run_s` is ours' first pass (where any compilation after start
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -206,17 +207,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for shape in args.shapes.split(","):
         model_dir = write_checkpoint(shape, args.checkpoints / shape, args.tokenizer, device)
         for system in args.systems.split(","):
-            run = runners.get(system)
-            result = run(model_dir, rows, args) if run else run_ours(system, model_dir, rows,
-                                                                     args)
-            results[f"{shape}/{system}"] = result
-            print(f"[gpu_engine] {shape} {system}: {result['tok_s']:,.0f} tok/s", flush=True)
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            results[f"{shape}/{system}"] = run_guarded(runners.get(system), system, model_dir,
+                                                       rows, args, device)
+            print(f"[gpu_engine] {shape} {system}: {results[f'{shape}/{system}']}"[:300],
+                  flush=True)
+            if args.json:  # after every system: a run cut short keeps what it measured
+                args.json.write_text(json.dumps(results, indent=1))
     print(markdown(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return results
+
+
+def run_guarded(run: Any, system: str, model_dir: Path, rows: list[dict], args: Any,
+                device: str) -> dict[str, Any]:
+    """One system's figures, or its error (the others still run); its memory is handed back
+    (gc first: an engine caught in a reference cycle would keep its KV cache)."""
+    try:
+        return run(model_dir, rows, args) if run else run_ours(system, model_dir, rows, args)
+    except Exception as exc:  # noqa: BLE001 - recorded, and the run goes on
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "tok_s": float("nan")}
+    finally:
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -232,7 +244,7 @@ def markdown(results: dict[str, Any]) -> str:
         eager = results.get(f"{shape}/ours_eager")
         ratio = f"{r['tok_s'] / eager['tok_s']:.2f}x" if eager else "-"
         busy = r.get("gpu_busy_share", {}).get("busy_share")
-        same = "-" if not eager or "first_tokens" not in r else \
+        same = "-" if not eager or "first_tokens" not in r or "first_tokens" not in eager else \
             str(r["first_tokens"] == eager["first_tokens"])
         lines.append(f"| {shape} | {system} | {r['tok_s']:,.0f} | {ratio} | "
                      f"{'-' if busy is None else f'{busy:.0%}'} | {same} | "

@@ -93,6 +93,9 @@ def cuda_kv_budget_bytes(total: int, reserved: int, free: int, reserve: int,
 def _cuda_kv_blocks(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype,
                     device: torch.device, scheduler: SchedulerConfig, per_block: int,
                     graphs: bool) -> int:
+    # Blocks an earlier engine of this process freed but torch still caches would count as
+    # ours (memory_reserved) though nothing uses them: hand them back first.
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     seqs = scheduler.max_num_seqs

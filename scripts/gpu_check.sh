@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # Proves the GPU paths on a machine with CUDA, in one command or stage by stage:
 #
-#   bash scripts/gpu_check.sh [OUTDIR] [--stage all|tests|engine|kernels|kv]
+#   bash scripts/gpu_check.sh [OUTDIR] [--stage STAGE]   (STAGE: all, or one of those below)
 #
-#   tests    pytest -m gpu: CUDA vs CPU greedy identity with each speed path, no compilation after
-#            warm-up, 1P+1D and 2P+2D on one GPU over CUDA IPC, dist refused on one GPU, NCCL
-#            with two GPUs, `router launch --device cuda`, the writer-dies-mid-copy rule on CUDA
-#   engine   benchmarks.gpu_engine: ours eager / graphs / graphs+async+fused vs transformers
-#            generate and generate_batch, GPU busy share, at the default model's, a 1B and an
-#            8B shape (random weights)
+#   tests-engine   pytest -m gpu, in-process engines: CUDA vs CPU greedy identity with each
+#                  speed path, the bf16 bound, no compilation after warm-up, graph capture
+#   tests-cluster  pytest -m gpu, processes: 1P+1D and 2P+2D on one GPU over CUDA IPC, dist
+#                  refused on one GPU, NCCL with two GPUs, `router launch --device cuda`, the
+#                  writer-dies-mid-copy rule on CUDA
+#   tests          both of the above
+#   engine         benchmarks.gpu_engine: ours eager / graphs / graphs+async+fused vs
+#                  transformers generate and generate_batch, GPU busy share, at the default
+#                  model's and a 1B shape (random weights); engine-8b: the same at an 8B shape
 #   kernels  benchmarks.decode_kernel: decode attention GB/s at 64x2k, 256x1k, 16x8k, 4x32k,
 #            1x64k and 128x512 (9/3 heads, d64), beside dense SDPA
 #   kv       benchmarks.kv_transfer --device cuda: KV hand-over GB/s over CUDA IPC
 #
-# Each stage writes OUTDIR/STAGE.json (tests: tests.txt); all of them are merged into
+# Each stage writes OUTDIR/STAGE.json (tests: STAGE.txt and STAGE.xml); all are merged into
 # OUTDIR/gpu_check.json, and everything printed goes to OUTDIR/gpu_check.log. What the machine
 # lacks comes from .gpu/ (scripts/gpu_pack.sh makes it on a machine with the project set up):
 # wheels installed into a private folder, and the default model's tokenizer, around which a
@@ -30,7 +33,10 @@ while [ $# -gt 0 ]; do
     *) OUTDIR=$1; shift ;;
   esac
 done
-case "$STAGE" in all|tests|engine|kernels|kv) ;; *) echo "unknown stage $STAGE" >&2; exit 2 ;; esac
+case "$STAGE" in
+  all|tests|tests-engine|tests-cluster|engine|engine-8b|kernels|kv) ;;
+  *) echo "unknown stage $STAGE" >&2; exit 2 ;;
+esac
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 LOG="$OUTDIR/gpu_check.log"
@@ -44,6 +50,7 @@ if compgen -G ".gpu/wheels/*.whl" >/dev/null; then
   say "installing the carried wheels"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/pdserve-site .gpu/wheels/*.whl 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || { say "installing the wheels failed"; exit 1; }
   export PYTHONPATH="/tmp/pdserve-site:$PWD"
 else
   export PYTHONPATH="$PWD"
@@ -65,23 +72,38 @@ run_stage() {  # name, command...
   return "$code"
 }
 
+# Only the modules holding gpu tests: collecting the rest would import packages (ray, openai,
+# cryptography) a GPU machine may lack.
+ENGINE_TESTS="tests/gpu/test_engine_on_cuda.py tests/engine/test_decode_graphs.py
+  tests/engine/test_triton_attention.py"
+CLUSTER_TESTS="tests/gpu/test_cluster_on_cuda.py tests/cluster/test_shared_faults.py"
+wants() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ] || { [ "$STAGE" = tests ] && [[ $1 == tests-* ]]; }; }
+run_tests() {  # name, paths...
+  local name=$1; shift
+  # shellcheck disable=SC2068 # one argument per path
+  run_stage "$name" "$PY" -m pytest -m gpu -q -p no:cacheprovider $@ \
+    --junitxml="$OUTDIR/$name.xml" || status=1
+  grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOG" | tail -1 > "$OUTDIR/$name.txt"
+}
 status=0
-if [ "$STAGE" = all ] || [ "$STAGE" = tests ]; then
-  run_stage tests "$PY" -m pytest -m gpu -q -p no:cacheprovider tests \
-    --junitxml="$OUTDIR/tests.xml" || status=1
-  grep -E "passed|failed|error" "$LOG" | tail -1 > "$OUTDIR/tests.txt"
-fi
-if [ "$STAGE" = all ] || [ "$STAGE" = kernels ]; then
+wants tests-engine && run_tests tests-engine $ENGINE_TESTS
+wants tests-cluster && run_tests tests-cluster $CLUSTER_TESTS
+if wants kernels; then
   run_stage kernels "$PY" -m benchmarks.decode_kernel --json "$OUTDIR/kernels.json" || status=1
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = kv ]; then
+if wants kv; then
   run_stage kv "$PY" -m benchmarks.kv_transfer --device cuda --transports shared,shared-whole \
     --lengths 1024,4096 --requests 3 --json "$OUTDIR/kv.json" || status=1
 fi
-if [ "$STAGE" = all ] || [ "$STAGE" = engine ]; then
+SYSTEMS=ours_eager,ours_graphs,ours_graphs_async_fused,hf_static,hf_generate_batch
+if wants engine; then
   run_stage engine "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
-    --shapes smol135m,llama1b,llama8b --runs 2 --json "$OUTDIR/engine.json" \
-    --systems ours_eager,ours_graphs,ours_graphs_async_fused,hf_static,hf_generate_batch \
+    --shapes smol135m,llama1b --runs 2 --systems "$SYSTEMS" --json "$OUTDIR/engine.json" \
+    || status=1
+fi
+if wants engine-8b; then
+  run_stage engine-8b "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
+    --shapes llama8b --runs 2 --systems "$SYSTEMS" --json "$OUTDIR/engine-8b.json" \
     || status=1
 fi
 "$PY" - "$OUTDIR" <<'PYEOF' 2>&1 | tee -a "$LOG"
@@ -89,11 +111,12 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 merged = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").exists() else {}
-for name in ("kernels", "kv", "engine"):
+for name in ("kernels", "kv", "engine", "engine-8b"):
     if (out / f"{name}.json").exists():
         merged[name] = json.loads((out / f"{name}.json").read_text())
-if (out / "tests.txt").exists():
-    merged["tests"] = (out / "tests.txt").read_text().strip()
+for name in ("tests-engine", "tests-cluster"):
+    if (out / f"{name}.txt").exists():
+        merged[name] = (out / f"{name}.txt").read_text().strip()
 (out / "gpu_check.json").write_text(json.dumps(merged, indent=1) + "\n")
 print("wrote", out / "gpu_check.json", "with", sorted(merged))
 PYEOF

@@ -67,3 +67,16 @@ def mixed_prompts(workload: list[list[int]], n: int = 20) -> list[list[int]]:
     lengths = [3, 7, 12, 16, 17, 25, 31, 33, 48, 64,
                80, 100, 128, 150, 200, 256, 300, 333, 380, 400]
     return [workload[i % len(workload)][: lengths[i % len(lengths)]] for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def _hand_back_gpu_memory():
+    """After each test on a CUDA machine: engines a test made (some caught in reference cycles)
+    are collected and their cached memory returned, so the next engine sizes its KV cache from
+    what is really free. Nothing happens without CUDA."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -48,7 +48,8 @@ CUDA = [pytest.mark.gpu,
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=CUDA)])
 def cluster(request, tmp_path_factory, reference):
     device = request.param
-    gpus = {"gpus": 1} if device == "cuda" else {}
+    # one GPU for all: the killed writer's replacement needs room beside the first two
+    gpus = {"gpus": 1, "gpu_memory_fraction": 0.3} if device == "cuda" else {}
     patch = pytest.MonkeyPatch()
     patch.setenv("PDSERVE_FAULT_KV_WRITE_PAUSE_S", str(PAUSE_S))  # workers started now only
     try:

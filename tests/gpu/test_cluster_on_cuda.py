@@ -96,6 +96,16 @@ def test_router_launch_device_cuda_serves_and_stops_cleanly(tmp_path):
         launch.send_signal(signal.SIGINT)
         code = launch.wait(120)
     assert code == 0
-    leftovers = subprocess.run(["pgrep", "-f", f"127.0.0.1:{port}"], capture_output=True,
-                               text=True).stdout.split()
-    assert leftovers == []
+    assert processes_naming(f"127.0.0.1:{port}") == []  # every process it started is gone
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids whose command line holds `text` (read from /proc: no pgrep needed)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:  # it exited meanwhile
+            continue
+    return [pid for pid in found if pid != os.getpid()]
