@@ -24,7 +24,7 @@ def test_ruff_clean():
 
 def test_nothing_reads_outside_the_repository():
     """A clone with nothing beside it must work: no code, test, script or default names the
-    workplace's ../shared (the workloads ship in loadtest/workloads/)."""
+    workplace's shared folder beside the checkout (the workloads ship in loadtest/workloads/)."""
     files = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.toml", "*.yaml", ".ci/*"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.split()
     if not files:
