@@ -115,8 +115,8 @@ class CompletionRequest(_Request):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             return _utf8(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
-                                                       for p in prompt):
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
+                                                                for p in prompt):
             raise ValueError(f"holds {len(prompt)} prompts; batches of more than one are not "
                              "supported (send one request per prompt)")
         if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:

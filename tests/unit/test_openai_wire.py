@@ -67,6 +67,7 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
      "not supported"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "batches of more than one"),
     ({"model": MODEL, "prompt": [1, -2]}, "prompt", "outside the token ids [0, 2**32)"),
+    ({"model": MODEL, "prompt": [[["x"]]]}, "prompt", "must be a string or a non-empty list"),
     ({"model": MODEL, "prompt": [2**32]}, "prompt", "4294967296, outside the token ids"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [2**33]}, "stop_token_ids[0]",
      "<= 4294967295, got 8589934592"),
