@@ -1,17 +1,32 @@
-"""The decode role as the worker bootstrap sees it: its worker, servicer and transfer host."""
+"""The decode role as the worker bootstrap sees it: its worker with its KV receiver connectors,
+and the gRPC services (its own and those the connectors' control paths need)."""
 
 from __future__ import annotations
 
 from decode_worker.service import SERVICE_NAMES, DecodeWorkerServicer
-from decode_worker.worker import DecodeWorker
+from decode_worker.worker import DecodeWorker, no_receivers
 from engine.engine import LLMEngine
+from kv_transfer import KVReceiveConnector, ReservationBook
+from kv_transfer.connector import OnRefused
+from kv_transfer.connectors import receive_connectors
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from serving.options import WorkerOptions
+from serving.options import WorkerOptions, connector_options
 from serving.worker_main import WorkerRole
 
 
 def decode_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
-    worker = DecodeWorker(engine, options)
-    return WorkerRole(worker, SERVICE_NAMES, options.public_host,
-                      lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(
-                          DecodeWorkerServicer(worker), server), worker.kv_export_address)
+    def connect(book: ReservationBook, on_refused: OnRefused) -> list[KVReceiveConnector]:
+        return receive_connectors(connector_options(options), engine.runner.kv_buffer, book,
+                                  on_refused)
+
+    worker = DecodeWorker(engine, options, connect if options.role == "decode" else no_receivers)
+    services = worker.kv_services()
+
+    def add_services(server: object) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(DecodeWorkerServicer(worker), server)
+        for service in services:
+            service.add_to_server(server)
+
+    return WorkerRole(worker, SERVICE_NAMES + [n for s in services for n in s.names],
+                      options.public_host, add_services, bind=worker.bind,
+                      kv_receiver_id=worker.kv_receiver_id)

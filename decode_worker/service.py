@@ -15,7 +15,6 @@ from common.convert import (
 )
 from decode_worker.worker import DecodeWorker, NoRoom
 from engine.engine import RequestOutput
-from kv_transfer import IntegrityError, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.gate import QueueFull
@@ -43,27 +42,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except NoRoom as exc:
             self.gate.reject(context, "Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"KV cache full: {exc}")
-        return pb.ReserveResponse(block_ids=reserved.block_ids,
-                                  transfer_address=reserved.transfer_address,
-                                  num_cached_blocks=reserved.num_cached_blocks,
-                                  decode_worker_id=self.worker.worker_id)
-
-    def ReceiveKV(self, request: pb.ReceiveKVRequest, context: grpc.ServicerContext
-                  ) -> pb.ReceiveKVResponse:
-        try:
-            stats = self.worker.receive_kv(request.request_id, request.sender_id,
-                                           request.generation, request.tag, request.num_blocks,
-                                           request.dtype, request.first_block, request.more,
-                                           request.transfer_secret, request.piece_mac)
-        except KeyError as exc:
-            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.NOT_FOUND, str(exc))
-        except (PermissionError, IntegrityError) as exc:
-            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        except ValueError as exc:
-            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except TransferError as exc:
-            self.gate.reject(context, "ReceiveKV", grpc.StatusCode.ABORTED, str(exc))
-        return pb.ReceiveKVResponse(num_bytes=stats.num_bytes, seconds=stats.seconds)
+        return pb.ReserveResponse(transfer=reserved.to_proto())
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,33 +42,41 @@ class KVPlace:
         return self.device.startswith("cuda")
 
 
-def choose_transport(sender: KVPlace, receiver: KVPlace) -> str:
+def choose_transport(sender: KVPlace, receiver: KVPlace,
+                     unusable: Mapping[str, str] | None = None) -> str:
     """"shared" or "dist" for KV going from `sender` (prefill) to `receiver` (decode); raises
-    TransportRefused when neither can work for this pair."""
+    TransportRefused when none can work for this pair. `unusable`: transports that failed for
+    this pair in a way that would repeat (-> why); an automatic choice falls back past them (a
+    same-host pair whose cache cannot be mapped, e.g. across network namespaces, uses dist)."""
     pair = f"{sender.worker_id} -> {receiver.worker_id}"
     forced = {p.mode for p in (sender, receiver)} - {"auto"}
     if len(forced) > 1:
         raise TransportRefused(f"{pair}: {sender.worker_id} forces --kv-transport {sender.mode} "
                                f"but {receiver.worker_id} forces {receiver.mode}")
     same_host = bool(sender.host_id) and sender.host_id == receiver.host_id
-    wanted = forced.pop() if forced else ("shared" if same_host else "dist")
-    if wanted == "shared" and not same_host:
-        raise TransportRefused(f"{pair}: the shared transport needs both workers on one host, "
-                               f"but they are on {sender.host_id!r} and {receiver.host_id!r}")
-    if wanted == "dist":
-        _check_dist(pair, sender, receiver, same_host)
-    return wanted
+    candidates = [forced.pop()] if forced else ["shared", "dist"] if same_host else ["dist"]
+    reasons = []
+    for transport in candidates:
+        reason = (unusable or {}).get(transport) or _refusal(transport, pair, sender, receiver,
+                                                             same_host)
+        if reason is None:
+            return transport
+        reasons.append(reason)
+    raise TransportRefused("; and ".join(reasons))
 
 
-def _check_dist(pair: str, sender: KVPlace, receiver: KVPlace, same_host: bool) -> None:
-    if sender.on_gpu != receiver.on_gpu:
-        raise TransportRefused(f"{pair}: the dist transport sends CPU tensors over gloo and CUDA "
-                               f"tensors over NCCL, but the workers' caches are on "
-                               f"{sender.device} and {receiver.device}")
-    if sender.on_gpu and same_host and sender.device == receiver.device:
-        raise TransportRefused(f"{pair}: both workers are on GPU {sender.device}, and NCCL "
-                               f"cannot put two ranks on one GPU; use --kv-transport shared or "
-                               f"auto")
+def _refusal(transport: str, pair: str, sender: KVPlace, receiver: KVPlace,
+             same_host: bool) -> str | None:
+    if transport == "shared" and not same_host:
+        return (f"{pair}: the shared transport needs both workers on one host, but they are on "
+                f"{sender.host_id!r} and {receiver.host_id!r}")
+    if transport == "dist" and sender.on_gpu != receiver.on_gpu:
+        return (f"{pair}: the dist transport sends CPU tensors over gloo and CUDA tensors over "
+                f"NCCL, but the workers' caches are on {sender.device} and {receiver.device}")
+    if transport == "dist" and sender.on_gpu and same_host and sender.device == receiver.device:
+        return (f"{pair}: both workers are on GPU {sender.device}, and NCCL cannot put two "
+                f"ranks on one GPU; use --kv-transport shared or auto")
+    return None
 
 
 def local_host_id() -> str:

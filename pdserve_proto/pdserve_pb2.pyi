@@ -263,7 +263,7 @@ class PrefixDigest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_export_address")
+    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_receiver_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -276,7 +276,7 @@ class RegisterRequest(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -289,8 +289,8 @@ class RegisterRequest(_message.Message):
     host_id: str
     kv_device: str
     kv_transport: str
-    kv_export_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_export_address: _Optional[str] = ...) -> None: ...
+    kv_receiver_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_receiver_id: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -329,16 +329,42 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., lease_s: _Optional[float] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "transfer_address", "decode_worker_id", "num_cached_blocks")
+    __slots__ = ("transfer",)
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    transfer: KVTransferDescriptor
+    def __init__(self, transfer: _Optional[_Union[KVTransferDescriptor, _Mapping]] = ...) -> None: ...
+
+class KVTransferDescriptor(_message.Message):
+    __slots__ = ("receiver_id", "block_ids", "num_cached_blocks", "endpoints")
+    class EndpointsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: KVEndpoint
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KVEndpoint, _Mapping]] = ...) -> None: ...
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    transfer_address: str
-    decode_worker_id: str
     num_cached_blocks: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., transfer_address: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    endpoints: _containers.MessageMap[str, KVEndpoint]
+    def __init__(self, receiver_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., endpoints: _Optional[_Mapping[str, KVEndpoint]] = ...) -> None: ...
+
+class KVEndpoint(_message.Message):
+    __slots__ = ("addresses",)
+    class AddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.ScalarMap[str, str]
+    def __init__(self, addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob")
@@ -419,34 +445,20 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_worker_id", "decode_address", "transfer_address", "decode_block_ids", "decode_host_id", "decode_kv_device", "decode_kv_transport", "decode_kv_export_address", "decode_cached_blocks", "transfer_secret")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_secret", "transfer", "kv_transport")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    DECODE_KV_DEVICE_FIELD_NUMBER: _ClassVar[int]
-    DECODE_KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
-    DECODE_KV_EXPORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
-    decode_worker_id: str
-    decode_address: str
-    transfer_address: str
-    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    decode_host_id: str
-    decode_kv_device: str
-    decode_kv_transport: str
-    decode_kv_export_address: str
-    decode_cached_blocks: int
     transfer_secret: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., decode_worker_id: _Optional[str] = ..., decode_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_host_id: _Optional[str] = ..., decode_kv_device: _Optional[str] = ..., decode_kv_transport: _Optional[str] = ..., decode_kv_export_address: _Optional[str] = ..., decode_cached_blocks: _Optional[int] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
+    transfer: KVTransferDescriptor
+    kv_transport: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., transfer_secret: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferDescriptor, _Mapping]] = ..., kv_transport: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "prefill_s", "kv_transfer_s", "kv_transfer_bytes", "finish_reason", "stop_reason", "kv_transport", "queue_s")

@@ -332,11 +332,6 @@ class DecodeWorkerStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.ReserveResponse.FromString,
                 _registered_method=True)
-        self.ReceiveKV = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/ReceiveKV',
-                request_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
-                response_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
-                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
                 request_serializer=pdserve__proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
@@ -360,19 +355,8 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReceiveKV(self, request, context):
-        """Called by the prefill worker right before it sends a reserved request's KV over the pair
-        process group; returns once the KV is written into the reserved blocks (the acknowledgement
-        after which the prefill worker frees its own blocks).
-        (dist transport only: the shared transport's writes are admitted and ended over the Unix
-        socket a same-host prefill worker maps this worker's cache through, see kv_transfer.shared.)
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Decode(self, request, context):
-        """Stream the request's tokens: after Reserve + ReceiveKV when first_token_id is set
+        """Stream the request's tokens: after Reserve and the KV's transfer when first_token_id is set
         (disaggregated), else the whole generation from the prompt (colocated mode).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -393,11 +377,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.ReserveRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.ReserveResponse.SerializeToString,
-            ),
-            'ReceiveKV': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReceiveKV,
-                    request_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.FromString,
-                    response_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -438,33 +417,6 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Reserve',
             pdserve__proto_dot_pdserve__pb2.ReserveRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.ReserveResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ReceiveKV(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/ReceiveKV',
-            pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
-            pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -519,6 +471,90 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Abort',
             pdserve__proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class KVReceiverStub:
+    """Served by decode workers next to DecodeWorker: the dist transport's control call
+    (kv_transfer/dist). The shared transport's writes are admitted and ended over the Unix socket
+    a same-host prefill worker maps the decode worker's cache through (kv_transfer/shared).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReceiveKV = channel.unary_unary(
+                '/pdserve.v1.KVReceiver/ReceiveKV',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
+                _registered_method=True)
+
+
+class KVReceiverServicer:
+    """Served by decode workers next to DecodeWorker: the dist transport's control call
+    (kv_transfer/dist). The shared transport's writes are admitted and ended over the Unix socket
+    a same-host prefill worker maps the decode worker's cache through (kv_transfer/shared).
+    """
+
+    def ReceiveKV(self, request, context):
+        """Called by the prefill worker right before it sends a piece of a reserved request's KV over
+        the pair process group; returns once the piece is written into the reserved blocks (the
+        last piece's answer is the acknowledgement after which the prefill worker frees its own).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVReceiverServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReceiveKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveKV,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KVReceiver', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KVReceiver', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVReceiver:
+    """Served by decode workers next to DecodeWorker: the dist transport's control call
+    (kv_transfer/dist). The shared transport's writes are admitted and ended over the Unix socket
+    a same-host prefill worker maps the decode worker's cache through (kv_transfer/shared).
+    """
+
+    @staticmethod
+    def ReceiveKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVReceiver/ReceiveKV',
+            pdserve__proto_dot_pdserve__pb2.ReceiveKVRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.ReceiveKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

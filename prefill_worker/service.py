@@ -1,10 +1,6 @@
-"""PrefillWorker gRPC servicer (proto <-> PrefillWorker), and the client side of the decode
-worker's ReceiveKV used to start each transfer."""
+"""PrefillWorker gRPC servicer: translates proto <-> PrefillWorker calls, nothing more."""
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 import grpc
 
@@ -14,51 +10,16 @@ from common.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
-from common.grpc_server import call_budget_s, internal_channel
-from kv_transfer import KVPlace, TransferError
+from common.grpc_server import call_budget_s
+from kv_transfer import TransferDescriptor, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from prefill_worker.handoff import DecodeTarget, PrefillResult
+from prefill_worker.handoff import PrefillResult
 from prefill_worker.worker import PrefillWorker
 from serving.gate import QueueFull
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
 DEFAULT_TIMEOUT_S = 600.0  # a Prefill call without a deadline
-
-
-class DecodeStubs:
-    """One channel per decode worker address, shared by every transfer to it: the KV control
-    RPCs (`prefill_worker.worker.DecodeControl`) this prefill worker sends as `sender_id`."""
-
-    def __init__(self, rpc_timeout_s: float, sender_id: str):
-        self.rpc_timeout_s = rpc_timeout_s
-        self.sender_id = sender_id
-        self._stubs: dict[str, pb_grpc.DecodeWorkerStub] = {}
-        self._lock = threading.Lock()
-
-    def stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
-        with self._lock:
-            if address not in self._stubs:
-                self._stubs[address] = pb_grpc.DecodeWorkerStub(internal_channel(address))
-            return self._stubs[address]
-
-    def start_receive(self, target: DecodeTarget, request_id: str, generation: int, tag: int,
-                      num_blocks: int, dtype: str, first_block: int = 0,
-                      more: bool = False, mac: bytes = b"") -> Callable[[float], object]:
-        message = pb.ReceiveKVRequest(request_id=request_id, sender_id=self.sender_id,
-                                      generation=generation, tag=tag, num_blocks=num_blocks,
-                                      dtype=dtype, first_block=first_block, more=more,
-                                      transfer_secret=target.transfer_secret, piece_mac=mac)
-        future = self.stub(target.address).ReceiveKV.future(message, timeout=self.rpc_timeout_s)
-
-        def wait_ack(timeout_s: float) -> object:
-            try:
-                return future.result(timeout=timeout_s)
-            except grpc.RpcError as exc:
-                raise TransferError(f"decode worker {target.worker_id} did not acknowledge "
-                                    f"the KV: {exc.code().name}: {exc.details()}") from exc
-
-        return wait_ack
 
 
 class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
@@ -70,10 +31,13 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
                 ) -> pb.PrefillResponse:
         self.gate.check_new(context, "Prefill")
         timeout_s = call_budget_s(context.time_remaining(), DEFAULT_TIMEOUT_S)
-        target = _target(request)
+        descriptor = TransferDescriptor.from_proto(request.transfer)
+        receiver = descriptor.receiver_id
         try:
-            result = self.worker.prefill(request.request_id, list(request.prompt_token_ids),
-                                         sampling_from_proto(request.sampling), target,
+            transfer = self.worker.transfer(request.request_id, request.kv_transport, descriptor,
+                                            request.transfer_secret)
+            result = self.worker.prefill(list(request.prompt_token_ids),
+                                         sampling_from_proto(request.sampling), transfer,
                                          timeout_s)
         except ValueError as exc:
             self.gate.reject(context, "Prefill", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -86,12 +50,12 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
         except TransferError as exc:
             if exc.permanent:  # the same pair would fail again: the router places another
                 self.gate.reject(context, "Prefill", grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"KV transfer {self.worker.worker_id} -> {target.worker_id} "
+                                 f"KV transfer {self.worker.worker_id} -> {receiver} "
                                  f"cannot work: {exc}")
             # ABORTED tells the router the KV did not reach the decode worker (which may be the
             # one at fault): it retries with a fresh reservation.
             self.gate.reject(context, "Prefill", grpc.StatusCode.ABORTED,
-                             f"KV transfer to {target.worker_id} failed: {exc}")
+                             f"KV transfer to {receiver} failed: {exc}")
         except RuntimeError as exc:
             self.gate.reject(context, "Prefill", grpc.StatusCode.UNAVAILABLE, str(exc))
         return _response(result)
@@ -99,17 +63,6 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.worker.abort(request.request_id))
-
-
-def _target(request: pb.PrefillRequest) -> DecodeTarget:
-    place = None
-    if request.decode_host_id:  # a router that knows where the decode worker's cache lives
-        place = KVPlace(request.decode_worker_id, request.decode_host_id,
-                        request.decode_kv_device or "cpu", request.decode_kv_transport or "auto")
-    return DecodeTarget(request.decode_worker_id, request.decode_address,
-                        request.transfer_address, list(request.decode_block_ids), place,
-                        request.decode_kv_export_address, request.decode_cached_blocks,
-                        request.transfer_secret)
 
 
 def _response(result: PrefillResult) -> pb.PrefillResponse:

@@ -23,11 +23,15 @@ class Gate:
 
     def reject(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode,
                message: str) -> NoReturn:
-        self.metrics.reject(method, code.name)
-        log.warning("refused %s: %s", method, message, extra={"fields": {
-            "worker_id": self.worker_id, "method": method, "status": code.name}})
+        self.note_refused(method, code.name, message)
         context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
+
+    def note_refused(self, method: str, code: str, message: str) -> None:
+        """Count and log a refusal (a servicer of another layer aborts the RPC itself)."""
+        self.metrics.reject(method, code)
+        log.warning("refused %s: %s", method, message, extra={"fields": {
+            "worker_id": self.worker_id, "method": method, "status": code}})
 
     def check_new(self, context: grpc.ServicerContext, method: str) -> None:
         """Refuse a new request while draining (work already accepted still completes)."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from common.logs import add_logging_args, check_logging
 from engine.config import SchedulerConfig
+from kv_transfer.connectors import ConnectorOptions
+from kv_transfer.selection import MODES
 from security.auth import load_token
 from security.tls import ClusterTls, add_cluster_tls_args, read_ca
 
@@ -83,8 +85,8 @@ class WorkerOptions:
                              "prefill workers")
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"--cuda-graphs needs --device cuda[:N], got {self.device!r}")
-        if self.kv_transport not in ("auto", "shared", "dist"):
-            raise ValueError(f"--kv-transport must be auto, shared or dist, got "
+        if self.kv_transport not in MODES:
+            raise ValueError(f"--kv-transport must be one of {', '.join(MODES)}, got "
                              f"{self.kv_transport!r}")
         if self.queue_policy not in QUEUE_POLICIES:
             raise ValueError(f"--queue-policy must be one of {', '.join(QUEUE_POLICIES)}, got "
@@ -117,6 +119,13 @@ class WorkerOptions:
         if self.prefill_chunk_size is not None or self.role != "decode":
             return self.prefill_chunk_size
         return DECODE_PREFILL_CHUNK["cuda" if self.device.startswith("cuda") else "cpu"]
+
+
+def connector_options(options: WorkerOptions) -> ConnectorOptions:
+    """What the worker's KV connectors are built with."""
+    return ConnectorOptions(options.worker_id, options.host, options.public_host,
+                            options.kv_transport, options.transfer_timeout_s,
+                            options.fault_kv_write_pause_s)
 
 
 def parse_worker_args(role: str, argv: list[str] | None = None) -> WorkerOptions:
@@ -180,7 +189,7 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
 def _add_transfer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease-s", type=float, default=30.0)
     parser.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    parser.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
+    parser.add_argument("--kv-transport", default="auto", choices=list(MODES),
                         help="how KV moves between prefill and decode workers: shared (one-sided "
                              "writes into the peer's cache, same host only), dist (torch."
                              "distributed pair groups), auto (shared on one host, else dist)")

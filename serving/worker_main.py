@@ -15,7 +15,9 @@ from common.grpc_server import Server, start_server
 from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from kv_transfer import device_identity, local_host_id
+from kv_transfer.connectors import exports_cache
+from kv_transfer.device import device_identity
+from kv_transfer.selection import local_host_id
 from pdserve_proto import pdserve_pb2 as pb
 from security import auth
 from security.tls import read_ca
@@ -43,11 +45,13 @@ class RoleWorker(Protocol):
 
 
 class WorkerRole:
-    """A role as the bootstrap sees it: its worker, its gRPC service and where it hosts KV
-    transfers."""
+    """A role as the bootstrap sees it: its worker, its gRPC services, where it hosts KV
+    transfers, and (decode) what its KV receivers need to know once the server listens."""
 
     def __init__(self, worker: RoleWorker, service_names: list[str], transfer_host: str,
-                 add_servicer: Callable[[grpc.Server], None], kv_export_address: str = ""):
+                 add_servicer: Callable[[grpc.Server], None],
+                 bind: Callable[[str], None] = lambda address: None,
+                 kv_receiver_id: Callable[[], str] = lambda: ""):
         self.worker = worker
         self.loop = worker.loop
         self.metrics = worker.metrics
@@ -55,7 +59,8 @@ class WorkerRole:
         self.service_names = service_names
         self.transfer_host = transfer_host
         self.add_to_server = add_servicer
-        self.kv_export_address = kv_export_address  # decode: where same-host writers map its KV
+        self.bind = bind  # called with the gRPC server's address once it listens
+        self.kv_receiver_id = kv_receiver_id  # decode: names this process's KV receivers
 
     def in_flight(self) -> int:
         return self.worker.in_flight()
@@ -91,7 +96,7 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
 
 def exports_kv_cache(options: WorkerOptions) -> bool:
     """A decode worker that same-host prefill workers may write into (the shared transport)."""
-    return options.role == "decode" and options.kv_transport != "dist"
+    return options.role == "decode" and exports_cache(options.kv_transport)
 
 
 def registration(options: WorkerOptions, role: WorkerRole, address: str,
@@ -105,7 +110,7 @@ def registration(options: WorkerOptions, role: WorkerRole, address: str,
         max_model_len=engine.max_model_len, kv_transfer_host=role.transfer_host,
         load=load_to_proto(role.loop.load), metrics_address=metrics_address,
         host_id=local_host_id(), kv_device=device_identity(torch.device(options.device)),
-        kv_transport=options.kv_transport, kv_export_address=role.kv_export_address)
+        kv_transport=options.kv_transport, kv_receiver_id=role.kv_receiver_id())
 
 
 class WorkerProcess:
@@ -126,6 +131,7 @@ class WorkerProcess:
                 internal=role.service_names, tls=options.cluster_tls,
                 on_refused=lambda method: role.metrics.reject(method, "UNAUTHENTICATED"))
             self.address = f"{options.public_host}:{self.server.port}"
+            role.bind(self.address)
             metrics_port = role.metrics.serve(options.host, options.metrics_port)
             self.metrics_address = f"{options.public_host}:{metrics_port}"
             self.link = RouterLink(options.router, registration(

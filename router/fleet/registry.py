@@ -50,7 +50,7 @@ class Worker:
     host_id: str = ""  # where its KV cache lives: picks the KV transport of each pair
     kv_device: str = "cpu"
     kv_transport: str = "auto"
-    kv_export_address: str = ""  # decode: its cache's export (shared transport)
+    kv_receiver_id: str = ""  # decode: names its KV receivers, new in every process
     # The keys of the KV blocks its prefix cache holds, as last reported (cache-aware placement).
     prefix_hashes: frozenset[int] = frozenset()
 

@@ -43,7 +43,7 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             load=_load(request.load), metrics_address=request.metrics_address,
             host_id=request.host_id, kv_device=request.kv_device or "cpu",
             kv_transport=request.kv_transport or "auto",
-            kv_export_address=request.kv_export_address,
+            kv_receiver_id=request.kv_receiver_id,
             prefix_hashes=_prefix(request.load) or frozenset()))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 

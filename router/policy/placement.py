@@ -49,25 +49,31 @@ class PlacementPolicy:
         self._expected: dict[str, dict[int, float]] = defaultdict(dict)  # worker -> key -> until
         self._pending_tokens: dict[str, int] = defaultdict(int)
         self._pending_blocks: dict[str, int] = defaultdict(int)
-        # (prefill id and address, decode id, address and export) -> why. A worker that restarts
-        # comes back at a new address or export, so its past failures do not count against it.
-        self._broken: dict[tuple[str, ...], str] = {}
+        # (prefill id and address, decode id, address and receivers) -> transport -> why it
+        # failed. A worker that restarts comes back at a new address or with new receivers, so
+        # its past failures do not count against it.
+        self._broken: dict[tuple[str, ...], dict[str, str]] = {}
         self._lock = threading.Lock()
+
+    def transport(self, prefill: Worker, decode: Worker) -> str:
+        """The transport KV goes by from `prefill` to `decode`, chosen here once per placed pair
+        and sent with the request (TransportRefused when none can work)."""
+        return choose_transport(prefill.kv_place(), decode.kv_place(),
+                                self._broken.get(_pair(prefill, decode)))
 
     def refusal(self, prefill: Worker, decode: Worker) -> str | None:
         """Why KV cannot go from `prefill` to `decode` (None: it can)."""
-        broken = self._broken.get(_pair(prefill, decode))
-        if broken is not None:
-            return broken
         try:
-            choose_transport(prefill.kv_place(), decode.kv_place())
+            self.transport(prefill, decode)
         except TransportRefused as exc:
             return str(exc)
         return None
 
-    def mark_broken(self, prefill: Worker, decode: Worker, reason: str) -> None:
-        """A transfer between the two failed in a way that would repeat."""
-        self._broken[_pair(prefill, decode)] = reason
+    def mark_broken(self, prefill: Worker, decode: Worker, transport: str, reason: str) -> None:
+        """A transfer between the two by `transport` failed in a way that would repeat: the
+        pair's next transfers go by another transport if one can work, else the pair is
+        refused."""
+        self._broken.setdefault(_pair(prefill, decode), {})[transport] = reason
 
     def unpairable(self) -> str | None:
         """When prefill and decode workers exist but no pair of them can move KV: why, naming
@@ -210,9 +216,9 @@ class PlacementPolicy:
 
 
 def _pair(prefill: Worker, decode: Worker) -> tuple[str, ...]:
-    # The export address is new in every decode process, even one restarted on the same port.
+    # The receivers' id is new in every decode process, even one restarted on the same port.
     return (prefill.worker_id, prefill.address, decode.worker_id, decode.address,
-            decode.kv_export_address)
+            decode.kv_receiver_id)
 
 
 class Suspects:

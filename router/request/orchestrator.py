@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from common.convert import sampling_to_proto
+from kv_transfer.selection import TransportRefused
 from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role, Worker
 from router.frontdoor.validation import Job
@@ -193,26 +194,28 @@ class Orchestrator:
                 self._wait_for_room(Role.PREFILL, 0, scope, suspects)
                 continue
             prefill, charge = placed
+            try:
+                transport = self.placement.transport(prefill, decode)
+            except TransportRefused:  # broken by another request since it was placed
+                self.placement.release(charge)
+                continue
             started = time.monotonic()
             holders.append((prefill, "prefill"))
             try:
                 first = scope.unary(self.stubs.prefill(prefill).Prefill, pb.PrefillRequest(
                     request_id=part.worker_request_id, prompt_token_ids=part.token_ids,
-                    sampling=sampling_to_proto(part.params), decode_worker_id=decode.worker_id,
-                    decode_address=decode.address, transfer_address=reserve.transfer_address,
-                    decode_block_ids=reserve.block_ids, decode_host_id=decode.host_id,
-                    decode_kv_device=decode.kv_device, decode_kv_transport=decode.kv_transport,
-                    decode_kv_export_address=decode.kv_export_address,
-                    decode_cached_blocks=reserve.num_cached_blocks,
-                    transfer_secret=transfer_secret(part)), "prefill", prefill.worker_id)
+                    sampling=sampling_to_proto(part.params), transfer=reserve.transfer,
+                    kv_transport=transport, transfer_secret=transfer_secret(part)),
+                    "prefill", prefill.worker_id)
             except RouterError as exc:
                 if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # its queue is full
                     holders.pop()
                     scope.pause(PLACEMENT_POLL_S)
                     continue
                 if exc.worker_code is grpc.StatusCode.FAILED_PRECONDITION:
-                    # This pair can never move KV: never again together; try another pair.
-                    self.placement.mark_broken(prefill, decode, exc.message)
+                    # This pair can never move KV by this transport: not again; try another
+                    # transport or pair.
+                    self.placement.mark_broken(prefill, decode, transport, exc.message)
                     exc.retryable = True
                     raise
                 # ABORTED: the prefill worker is fine but its KV did not reach the decode one.

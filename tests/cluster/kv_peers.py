@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from kv_transfer import (
-    IntegrityError,
-    KVReceiver,
-    KVSender,
+from kv_transfer.dist.endpoints import KVReceiver, KVSender
+from kv_transfer.dist.integrity import IntegrityError, PieceId, piece_mac, verify_piece
+from kv_transfer.dist.packing import pack_blocks, packed_shapes, unpack_blocks
+from kv_transfer.dist.pair import (
+    RECEIVER_RANK,
+    SENDER_RANK,
     PairRegistry,
-    PieceId,
-    TransferError,
-    pack_blocks,
-    packed_shapes,
-    piece_mac,
-    unpack_blocks,
-    verify_piece,
+    connect_store,
+    host_store,
 )
-from kv_transfer.pair import RECEIVER_RANK, SENDER_RANK, connect_store, host_store
+from kv_transfer.errors import TransferError
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 3, 16, 4, 2, 8
 SRC_BLOCKS, DST_BLOCKS = [3, 7, 1, 12], [10, 2, 5, 0]
@@ -39,7 +36,7 @@ def expected_checksum() -> float:
 
 def receiver(queue, plan: list[str]) -> None:
     """For each step of `plan`: 'recv' a transfer, or 'timeout' (expect none to arrive)."""
-    from kv_transfer import receive_blocks
+    from kv_transfer.dist.transfer import receive_blocks
 
     store = host_store("127.0.0.1", 0)
     queue.put(("port", store.port))
@@ -65,7 +62,7 @@ def sender(port: int, plan: list[str], first_generation: int = 0) -> None:
     dies mid-transfer as a SIGKILL would leave it: no goodbye to the peer)."""
     import os
 
-    from kv_transfer import send_blocks
+    from kv_transfer.dist.transfer import send_blocks
 
     store = connect_store(f"127.0.0.1:{port}")
     registry = PairRegistry(SENDER_RANK, torch.device("cpu"), "127.0.0.1")

@@ -23,22 +23,25 @@ def expected_blocks() -> torch.Tensor:
 
 
 class Recorder:
-    """The exporting side's write handler: admits every write, reports every event."""
+    """The exporting side's ReservationBook: admits every write, reports every event."""
 
     def __init__(self, queue) -> None:  # noqa: ANN001 - a multiprocessing queue
         self.queue = queue
 
-    def begin_write(self, writer: str, request_id: str, num_blocks: int, dtype: str,
-                    secret: str = "") -> None:
-        if request_id == "refused":
-            raise KeyError(f"no reservation for request {request_id!r}")
-        if secret != SECRET:
-            raise PermissionError(f"request {request_id!r}: wrong transfer secret")
-        self.queue.put(("began", writer, request_id))
+    def admit(self, write) -> list[int]:  # noqa: ANN001 - a kv_transfer Write
+        if write.request_id == "refused":
+            raise KeyError(f"no reservation for request {write.request_id!r}")
+        if write.secret != SECRET:
+            raise PermissionError(f"request {write.request_id!r}: wrong transfer secret")
+        self.queue.put(("began", write.writer, write.request_id))
+        return DST_BLOCKS[:write.num_blocks]
 
-    def end_write(self, writer: str, request_id: str, ok: bool, num_bytes: int,
-                  seconds: float) -> bool:
-        self.queue.put(("finished", writer, ok, num_bytes))
+    def complete(self, write, ok: bool, stats) -> bool:  # noqa: ANN001
+        self.queue.put(("finished", write.writer, ok, stats.num_bytes if stats else 0))
+        return True
+
+    def refuse(self, write, reason: str) -> bool:  # noqa: ANN001
+        self.queue.put(("refused", write.writer, reason))
         return True
 
     def writer_gone(self, writer: str) -> None:
@@ -48,10 +51,10 @@ class Recorder:
 def exporter(queue, commands) -> None:
     """Exports a zeroed cache; reports its address, every write event and closed mapping, and
     on request the blocks at DST_BLOCKS and whether every other block is still zero."""
-    from kv_transfer.shared import KVExporter
+    from kv_transfer.shared.exporter import KVExporter
 
     buffer = allocate_kv_buffer(SHAPE, torch.float32, torch.device("cpu"), shareable=True)
-    exp = KVExporter("decode-t", buffer, handler=Recorder(queue))
+    exp = KVExporter("decode-t", buffer, Recorder(queue))
     queue.put(("address", exp.address))
     while True:
         command = commands.get(timeout=60)
@@ -79,7 +82,7 @@ def writer(address: str, queue, plan: list[str]) -> None:
     (the write begins, then this process stalls inside it: the test kills it mid-write),
     'interleaved' (interleaved_writes) or 'wrong-secret' (a write without the secret)."""
     from kv_transfer.errors import TransferError
-    from kv_transfer.shared_sender import SharedSender
+    from kv_transfer.shared.sender import SharedSender
 
     src = source_cache()
     sender = SharedSender("prefill-t", timeout_s=5.0,

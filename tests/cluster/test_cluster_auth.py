@@ -147,9 +147,9 @@ def test_a_member_without_the_transfer_secret_cannot_write_into_a_reservation(cl
                 sampling=pb.SamplingOptions(max_tokens=2), transfer_secret="the-real-one"),
                 timeout=10)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.ReceiveKV(pb.ReceiveKVRequest(
+                pb_grpc.KVReceiverStub(ch).ReceiveKV(pb.ReceiveKVRequest(
                     request_id="guarded", sender_id="rogue", generation=1, tag=1,
-                    num_blocks=len(reserved.block_ids), dtype="float32",
+                    num_blocks=len(reserved.transfer.block_ids), dtype="float32",
                     transfer_secret="a-guess"), timeout=10)
             assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
             assert "wrong transfer secret" in refused.value.details()
@@ -174,17 +174,19 @@ def packed_like_the_cache(model_dir: Path, num_blocks: int, fill: float) -> list
 
 def send_piece(stub, sender, reserved, layers: list, mac: bytes) -> grpc.StatusCode:  # noqa: ANN001
     """Send `layers` over a dist pair as the whole of reservation "sealed", announced by a
-    ReceiveKV carrying the reservation's secret and `mac`: the decode worker's answer."""
+    ReceiveKV (on the KVReceiver `stub`) carrying the reservation's secret and `mac`: the decode
+    worker's answer."""
     calls = []
+    transfer = reserved.transfer
 
     def start_receive(generation: int, tag: int) -> None:
         calls.append(stub.ReceiveKV.future(pb.ReceiveKVRequest(
             request_id="sealed", sender_id="rogue", generation=generation, tag=tag,
-            num_blocks=len(reserved.block_ids), dtype="bfloat16", transfer_secret="the-secret",
+            num_blocks=len(transfer.block_ids), dtype="bfloat16", transfer_secret="the-secret",
             piece_mac=mac), timeout=30))
 
-    sender.send_packed(reserved.decode_worker_id, reserved.transfer_address, layers,
-                       start_receive)
+    sender.send_packed(transfer.receiver_id, transfer.endpoints["dist"].addresses["store"],
+                       layers, start_receive)
     return _code(lambda _, timeout: calls[0].result(timeout=timeout), None)
 
 
@@ -194,7 +196,8 @@ def test_kv_bytes_that_do_not_match_their_mac_are_refused_and_counted(cluster,
     the bytes do not match the MAC in its ReceiveKV (other bytes than the MAC was computed over,
     or a MAC under another key): PERMISSION_DENIED, counted, the reservation stays reserved —
     the honest piece after them lands — and its blocks come back at the abort."""
-    from kv_transfer import KVSender, PieceId, piece_mac
+    from kv_transfer.dist.endpoints import KVSender
+    from kv_transfer.dist.integrity import PieceId, piece_mac
 
     decode = next(w for w in cluster.status().workers if w.role == pb.WORKER_ROLE_DECODE)
     free = lambda: next(w.free_blocks for w in cluster.status().workers  # noqa: E731
@@ -210,16 +213,17 @@ def test_kv_bytes_that_do_not_match_their_mac_are_refused_and_counted(cluster,
                 request_id="sealed", prompt_token_ids=list(range(1, 40)), lease_s=60,
                 sampling=pb.SamplingOptions(max_tokens=2), transfer_secret="the-secret"),
                 timeout=10)
-            n = len(reserved.block_ids)
+            n = len(reserved.transfer.block_ids)
             real = packed_like_the_cache(tiny_llama_dir, n, 0.25)
             forged = packed_like_the_cache(tiny_llama_dir, n, 9.0)
             piece = PieceId("sealed", 0, n, last=True)
             sender = KVSender("rogue", "127.0.0.1", real[0].device, timeout_s=20)
-            codes = [send_piece(stub, sender, reserved, forged, piece_mac("the-secret", piece,
-                                                                          real)),
-                     send_piece(stub, sender, reserved, real, piece_mac("a-guess", piece, real)),
-                     send_piece(stub, sender, reserved, real, piece_mac("the-secret", piece,
-                                                                        real))]
+            kv = pb_grpc.KVReceiverStub(ch)
+            codes = [send_piece(kv, sender, reserved, forged, piece_mac("the-secret", piece,
+                                                                        real)),
+                     send_piece(kv, sender, reserved, real, piece_mac("a-guess", piece, real)),
+                     send_piece(kv, sender, reserved, real, piece_mac("the-secret", piece,
+                                                                      real))]
             assert codes == [grpc.StatusCode.PERMISSION_DENIED] * 2 + [grpc.StatusCode.OK]
             assert stub.Abort(pb.AbortRequest(request_id="sealed"), timeout=10).found
     finally:

@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from kv_transfer.shared import block_runs, copy_blocks
+from kv_transfer.shared.copy import block_runs, copy_blocks
 from tests.cluster import shared_peers
 
 pytestmark = pytest.mark.slow
@@ -140,7 +140,7 @@ def test_a_writer_counts_as_dead_once_it_has_finished_exiting():
     import sys
     import time
 
-    from kv_transfer.shared_socket import wait_until_dead
+    from kv_transfer.shared.mapping import wait_until_dead
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     started = time.monotonic()
@@ -158,7 +158,7 @@ def test_a_silent_export_times_out_as_a_transient_failure():
     import socket
 
     from kv_transfer.errors import TransferError
-    from kv_transfer.shared_sender import SharedSender
+    from kv_transfer.shared.sender import SharedSender
 
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.bind("\0pdserve-kv-silent-test")

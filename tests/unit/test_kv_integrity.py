@@ -1,4 +1,4 @@
-"""The dist transport's piece MAC (kv_transfer.integrity): it changes with every byte of the
+"""The dist transport's piece MAC (kv_transfer.dist.integrity): it changes with every byte of the
 piece and with everything that names the piece — request, block range, last-piece flag, dtype,
 layer shapes — and with the transfer secret; verification accepts only the exact tag."""
 
@@ -9,7 +9,7 @@ import hmac
 import pytest
 import torch
 
-from kv_transfer.integrity import IntegrityError, PieceId, piece_key, piece_mac, verify_piece
+from kv_transfer.dist.integrity import IntegrityError, PieceId, piece_key, piece_mac, verify_piece
 
 SECRET = "the-routers-secret"
 PIECE = PieceId("req-1", first_block=4, num_blocks=3, last=False)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from kv_transfer.dist.pieces import PieceSender
 from kv_transfer.errors import TransferError
-from prefill_worker.pieces import PieceSender
 
 
 def test_pieces_go_in_order_and_drain_waits_for_every_acknowledgement():

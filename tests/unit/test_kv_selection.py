@@ -90,8 +90,13 @@ def test_no_workable_pair_is_reported_with_every_reason_and_broken_pairs_are_avo
     assert policy.unpairable() is None
     d1 = registry.get("d1")
     assert policy.place_prefill(10, decode=d1)[0].worker_id in ("p0", "p1")
-    policy.mark_broken(registry.get("p1"), d1, "cannot map d1's cache")
-    assert policy.refusal(registry.get("p1"), d1) == "cannot map d1's cache"
+    p1 = registry.get("p1")
+    assert policy.transport(p1, d1) == "shared"
+    # shared cannot work for this pair (its cache cannot be mapped from p1): dist instead
+    policy.mark_broken(p1, d1, "shared", "cannot map d1's cache")
+    assert policy.refusal(p1, d1) is None and policy.transport(p1, d1) == "dist"
+    policy.mark_broken(p1, d1, "dist", "the pair group cannot form")
+    assert policy.refusal(p1, d1) == "cannot map d1's cache; and the pair group cannot form"
     assert policy.place_prefill(10, decode=d1) is None or \
         policy.place_prefill(10, decode=d1)[0].worker_id != "p1"
     # the broken pair is forgotten when d1 comes back at another address (a restart)
@@ -101,7 +106,7 @@ def test_no_workable_pair_is_reported_with_every_reason_and_broken_pairs_are_avo
 
 
 def test_nccl_errors_that_will_repeat_are_marked_permanent():
-    from kv_transfer.endpoints import will_repeat
+    from kv_transfer.dist.endpoints import will_repeat
 
     nccl = ("NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN "
             "for details), NCCL version 2.27.3 ncclInvalidUsage: Duplicate GPU detected : rank 1 "

@@ -1,6 +1,7 @@
 """The layering rules of ARCHITECTURE.md, checked on the source: which package may import which,
-that the router and the bookkeeping stay torch-free, that only deploy/ imports ray, and that
-nothing outside router/ reaches into the router's internals."""
+that the router and the bookkeeping stay torch-free, that only deploy/ imports ray, that nothing
+outside router/ reaches into the router's internals, and that the workers reach KV transports
+only through the connector interface."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "engine": set(),
     "security": set(),
-    "kv_transfer": {"engine"},
+    "kv_transfer": {"engine", "common"},
     "common": {"engine", "security"},
     "serving": {"engine", "kv_transfer", "common", "security"},
     "prefill_worker": {"engine", "kv_transfer", "common", "serving"},
@@ -82,3 +83,37 @@ def test_nothing_outside_the_router_reaches_into_it():
             inside = {m for m in imported_modules(f) if m.split(".")[0] == "router"}
             bad = {m for m in inside if not m.startswith(ROUTER_PUBLIC)}
             assert not bad, f"{f.relative_to(ROOT)} imports router internals {bad}"
+
+
+# What a worker may use of kv_transfer: the connector interface, the builder of its connectors,
+# and the transport-neutral pieces; never a transport's own subpackage.
+CONNECTOR_SURFACE = {"kv_transfer", "kv_transfer.connector", "kv_transfer.connectors",
+                     "kv_transfer.errors", "kv_transfer.selection", "kv_transfer.device"}
+WORKER_PACKAGES = ("prefill_worker", "decode_worker", "serving")
+
+
+def test_workers_import_no_transport_by_name():
+    from kv_transfer.selection import TRANSPORTS
+
+    for package in WORKER_PACKAGES:
+        for f in py_files(package):
+            used = {m for m in imported_modules(f) if m.split(".")[0] == "kv_transfer"}
+            bad = used - CONNECTOR_SURFACE
+            assert not bad, f"{f.relative_to(ROOT)} imports {bad}"
+            names = {node.value for node in ast.walk(ast.parse(f.read_text()))
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+            assert not names & set(TRANSPORTS), f"{f.relative_to(ROOT)} names a transport"
+
+
+def test_each_transport_lives_in_its_own_subpackage():
+    """Only the connector builder names the transports' subpackages, and neither transport
+    imports the other."""
+    from kv_transfer.selection import TRANSPORTS
+
+    for f in py_files("kv_transfer"):
+        inside = {m.split(".")[1] for m in imported_modules(f)
+                  if m.startswith("kv_transfer.") and m.split(".")[1] in TRANSPORTS}
+        home = f.relative_to(ROOT / "kv_transfer").parts[0]
+        if f.name == "connectors.py":
+            continue
+        assert inside <= {home}, f"{f.relative_to(ROOT)} imports transports {inside - {home}}"

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from kv_transfer.errors import TransferError, TransferStats
-from kv_transfer.shared import copy_blocks
-from kv_transfer.shared_socket import PeerMapping, map_peer, send_frame
+from kv_transfer.shared.copy import copy_blocks
+from kv_transfer.shared.mapping import PeerMapping, map_peer, send_frame
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from kv_transfer.errors import TransferError, TransferStats
-from kv_transfer.pair import PairGroup
+from kv_transfer.dist.pair import PairGroup
 
 
 def _wait_all(works: list, timeout_s: float, what: str) -> None:

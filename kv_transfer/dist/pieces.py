@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kv_transfer import TransferError
+from kv_transfer.errors import TransferError
 
 # send(layers, first_block, num_blocks): one piece, acknowledged by the decode worker on return.
 SendPiece = Callable[[Sequence[torch.Tensor], int, int], object]

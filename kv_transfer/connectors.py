@@ -1,0 +1,71 @@
+"""The connectors a worker holds, by transport name: the one place that names the transports'
+subpackages (workers hold what this builds and never name a transport)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kv_transfer.connector import (
+    KVReceiveConnector,
+    KVSendConnector,
+    OnRefused,
+    ReservationBook,
+)
+from kv_transfer.selection import MODES, TRANSPORTS
+
+if TYPE_CHECKING:
+    from engine.kv_memory import KVBuffer
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    worker_id: str
+    host: str  # where this worker's transfer endpoints listen
+    public_host: str  # how peers reach them
+    mode: str  # the worker's --kv-transport: "auto" (every transport) or one of them
+    timeout_s: float  # bounds every wait on a peer
+    write_pause_s: float = 0.0  # fault injection (tests): a shared writer that stalls
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"kv_transport must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"transfer timeout must be > 0, got {self.timeout_s}")
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        return TRANSPORTS if self.mode == "auto" else (self.mode,)
+
+
+def exports_cache(mode: str) -> bool:
+    """Whether a decode worker in `mode` lets same-host peers map its cache (so the cache must be
+    allocated shareable)."""
+    return mode in ("auto", "shared")
+
+
+def send_connectors(options: ConnectorOptions, buffer: KVBuffer) -> dict[str, KVSendConnector]:
+    from kv_transfer.dist.connector import DistSendConnector
+    from kv_transfer.shared.connector import SharedSendConnector
+
+    build = {
+        "shared": lambda: SharedSendConnector(options.worker_id, buffer, options.timeout_s,
+                                              options.write_pause_s),
+        "dist": lambda: DistSendConnector(options.worker_id, options.host, buffer,
+                                          options.timeout_s),
+    }
+    return {name: build[name]() for name in options.transports}
+
+
+def receive_connectors(options: ConnectorOptions, buffer: KVBuffer, book: ReservationBook,
+                       on_refused: OnRefused) -> list[KVReceiveConnector]:
+    from kv_transfer.dist.connector import DistReceiveConnector
+    from kv_transfer.shared.connector import SharedReceiveConnector
+
+    build = {
+        "shared": lambda: SharedReceiveConnector(options.worker_id, buffer, book),
+        "dist": lambda: DistReceiveConnector(options.worker_id, options.host,
+                                             options.public_host, buffer, options.timeout_s,
+                                             book, on_refused),
+    }
+    return [build[name]() for name in options.transports]
