@@ -45,27 +45,34 @@ def exports_cache(mode: str) -> bool:
 
 
 def send_connectors(options: ConnectorOptions, buffer: KVBuffer) -> dict[str, KVSendConnector]:
-    from kv_transfer.dist.connector import DistSendConnector
-    from kv_transfer.shared.connector import SharedSendConnector
+    # Each transport is imported only when it is used: a worker never loads one it will not run.
+    def shared() -> KVSendConnector:
+        from kv_transfer.shared.connector import SharedSendConnector
 
-    build = {
-        "shared": lambda: SharedSendConnector(options.worker_id, buffer, options.timeout_s,
-                                              options.write_pause_s),
-        "dist": lambda: DistSendConnector(options.worker_id, options.host, buffer,
-                                          options.timeout_s),
-    }
+        return SharedSendConnector(options.worker_id, buffer, options.timeout_s,
+                                   options.write_pause_s)
+
+    def dist() -> KVSendConnector:
+        from kv_transfer.dist.connector import DistSendConnector
+
+        return DistSendConnector(options.worker_id, options.host, buffer, options.timeout_s)
+
+    build = {"shared": shared, "dist": dist}
     return {name: build[name]() for name in options.transports}
 
 
 def receive_connectors(options: ConnectorOptions, buffer: KVBuffer, book: ReservationBook,
                        on_refused: OnRefused) -> list[KVReceiveConnector]:
-    from kv_transfer.dist.connector import DistReceiveConnector
-    from kv_transfer.shared.connector import SharedReceiveConnector
+    def shared() -> KVReceiveConnector:
+        from kv_transfer.shared.connector import SharedReceiveConnector
 
-    build = {
-        "shared": lambda: SharedReceiveConnector(options.worker_id, buffer, book),
-        "dist": lambda: DistReceiveConnector(options.worker_id, options.host,
-                                             options.public_host, buffer, options.timeout_s,
-                                             book, on_refused),
-    }
+        return SharedReceiveConnector(options.worker_id, buffer, book)
+
+    def dist() -> KVReceiveConnector:
+        from kv_transfer.dist.connector import DistReceiveConnector
+
+        return DistReceiveConnector(options.worker_id, options.host, options.public_host,
+                                    buffer, options.timeout_s, book, on_refused)
+
+    build = {"shared": shared, "dist": dist}
     return [build[name]() for name in options.transports]

@@ -22,10 +22,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.dist.packing import pack_blocks, packed_shapes, unpack_blocks
-from kv_transfer.dist.pair import RECEIVER_RANK, SENDER_RANK, PairRegistry, connect_store, host_store
+from kv_transfer.dist.pair import (
+    RECEIVER_RANK,
+    SENDER_RANK,
+    PairRegistry,
+    connect_store,
+    host_store,
+)
 from kv_transfer.dist.transfer import receive_blocks, send_blocks
+from kv_transfer.errors import TransferError, TransferStats
 
 # What NCCL and gloo say when the pair itself is impossible (e.g. two ranks on one GPU): trying
 # the same pair again fails the same way.

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.dist.pair import PairGroup
+from kv_transfer.errors import TransferError, TransferStats
 
 
 def _wait_all(works: list, timeout_s: float, what: str) -> None:
