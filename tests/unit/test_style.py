@@ -34,3 +34,19 @@ def test_nothing_reads_outside_the_repository():
                  if name != "tests/unit/test_style.py" and (ROOT / name).is_file()
                  and pattern.search((ROOT / name).read_text())]
     assert offenders == []
+
+
+def test_no_source_file_is_hidden_from_git():
+    """An ignore rule must not swallow source (a `dist/` rule once hid kv_transfer/dist/'s
+    connector: the checkout it was written in passed, every clean clone's workers died)."""
+    listed = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard",
+                             "--", "*.py", "*.sh", "*.proto", "*.cpp", "*.md"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    environments = (".venv/", ".gpu/", "build/", "dist/", ".gl/", ".whl/", ".pytest_cache/",
+                    ".ruff_cache/", "logs/")
+    hidden = [name for name in listed.stdout.split()
+              if not name.startswith(environments) and "/__pycache__/" not in name
+              and ".egg-info/" not in name]
+    assert hidden == []
