@@ -199,11 +199,14 @@ def cpu_model() -> str:
     return names[0] if names else "unknown CPU"
 
 
-def section(rows: list[dict], command: str, requests: int, wall_s: float) -> list[str]:
+def section(rows: list[dict], command: str, requests: int, wall_s: float,
+            device: str = "cpu") -> list[str]:
     import torch
 
+    accelerator = (f"KV on {torch.cuda.get_device_name(device)}" if device.startswith("cuda")
+                   else "CPU only")
     return [
-        f"Machine: {cpu_model()} (`lscpu` model name), {os.cpu_count()} cores, CPU only, "
+        f"Machine: {cpu_model()} (`lscpu` model name), {os.cpu_count()} cores, {accelerator}, "
         f"torch {torch.__version__}; {datetime.date.today().isoformat()}; "
         f"{wall_s / 60:.1f} min in all. Every process (router, both workers, this client) "
         "shares these cores.", "",
@@ -257,7 +260,7 @@ def main() -> None:
                                   device=args.device) for n in lengths}
     command = ".venv/bin/python -m benchmarks.kv_transfer " + " ".join(sys.argv[1:])
     body = section(summarize(samples, memcpy_s), command.strip(), args.requests,
-                   time.perf_counter() - started)
+                   time.perf_counter() - started, args.device)
     print("\n" + "\n".join(body))
     if args.json:
         args.json.write_text(json.dumps({"device": args.device, "rows": summarize(

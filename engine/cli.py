@@ -30,12 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="default: 512 on CPU, 8192 on CUDA")
     g.add_argument("--prefill-chunk-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--fused-kernels", action="store_true",
-                   help="fused Triton element-wise kernels (CUDA; unproven, off by default)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="replay decode steps from CUDA graphs (CUDA; unproven, off by default)")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule step N+1 while step N runs (GPU; unproven, off by default)")
+    on = argparse.BooleanOptionalAction  # --x / --no-x; unset: on for CUDA, off elsewhere
+    g.add_argument("--fused-kernels", action=on, default=None,
+                   help="fused Triton element-wise kernels (default: on for CUDA)")
+    g.add_argument("--cuda-graphs", action=on, default=None,
+                   help="replay decode steps from CUDA graphs (default: on for CUDA)")
+    g.add_argument("--async-scheduling", action=on, default=None,
+                   help="schedule step N+1 while step N runs (default: on for CUDA)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "torch", "reference", "triton"])
 

@@ -245,15 +245,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = None  # type: ignore[assignment]  # None: for the device
     max_model_len: int | None = None
     attention_backend: str = "auto"  # auto (CUDA: triton, else torch), torch, triton, reference
-    # Residual + RMSNorm, RoPE and SiLU·up as fused Triton kernels (engine.models.fused). Off until
-    # a GPU run proves it faster; on CPU it needs TRITON_INTERPRET=1 (tests).
-    fused_kernels: bool = False
+    # The GPU speed paths. None: on for CUDA, off elsewhere (an H100 run proved each token-identical
+    # in float32 and the three together 6.8-7.1x ours eager: BENCHMARKS.md, "GPU proof").
+    # Residual + RMSNorm, RoPE and SiLU·up as fused Triton kernels (engine.models.fused); on CPU
+    # they need TRITON_INTERPRET=1 (tests).
+    fused_kernels: bool | None = None
     # Decode-only steps replay CUDA graphs captured at start per batch-size bucket
-    # (engine.decode_graphs). CUDA only; off until a GPU run proves it.
-    cuda_graphs: bool = False
+    # (engine.decode_graphs). CUDA only, with the triton attention backend.
+    cuda_graphs: bool | None = None
     # Schedule and prepare step N+1 while step N runs on the device (LLMEngine._step_async):
-    # same outputs, the host's work off the GPU's critical path. Off until a GPU run proves it.
-    async_scheduling: bool = False
+    # same outputs, the host's work off the GPU's critical path.
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -268,6 +270,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._resolve_speed_paths()
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs device cuda[:N], got device {self.device!r}")
         if self.cuda_graphs and self.attention_backend not in ("auto", "triton"):
@@ -275,6 +278,17 @@ class EngineConfig:
                              f"{self.attention_backend!r}")
         if self.scheduler is None:
             object.__setattr__(self, "scheduler", SchedulerConfig.for_device(self.device))
+
+
+    def _resolve_speed_paths(self) -> None:
+        """Each GPU speed path left unset is on for CUDA (graphs only where triton attention
+        runs), off elsewhere."""
+        cuda = self.device.startswith("cuda")
+        defaults = {"fused_kernels": cuda, "async_scheduling": cuda,
+                    "cuda_graphs": cuda and self.attention_backend in ("auto", "triton")}
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
 
 
 def cpu_has_native_bf16() -> bool:

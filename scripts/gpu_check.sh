@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh [OUTDIR] [--stage STAGE]   (STAGE: all, or one of those below)
 #
 #   tests-engine   pytest -m gpu, in-process engines: CUDA vs CPU greedy identity with each
-#                  speed path, the bf16 bound, no compilation after warm-up, graph capture
+#                  speed path, the bf16 bound, no compilation after warm-up, graph capture, and
+#                  the kernel, fused, graphs and async tests that run on CUDA where present
 #   tests-cluster  pytest -m gpu, processes: 1P+1D and 2P+2D on one GPU over CUDA IPC, dist
 #                  refused on one GPU, NCCL with two GPUs, `router launch --device cuda`, the
 #                  writer-dies-mid-copy rule on CUDA
@@ -75,7 +76,8 @@ run_stage() {  # name, command...
 # Only the modules holding gpu tests: collecting the rest would import packages (ray, openai,
 # cryptography) a GPU machine may lack.
 ENGINE_TESTS="tests/gpu/test_engine_on_cuda.py tests/engine/test_decode_graphs.py
-  tests/engine/test_triton_attention.py"
+  tests/engine/test_triton_attention.py tests/engine/test_fused_kernels.py
+  tests/engine/test_async_scheduling.py tests/engine/test_attention_warmup.py"
 CLUSTER_TESTS="tests/gpu/test_cluster_on_cuda.py tests/cluster/test_shared_faults.py"
 wants() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ] || { [ "$STAGE" = tests ] && [[ $1 == tests-* ]]; }; }
 run_tests() {  # name, paths...
@@ -98,12 +100,14 @@ fi
 SYSTEMS=ours_eager,ours_graphs,ours_graphs_async_fused,hf_static,hf_generate_batch
 if wants engine; then
   run_stage engine "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
-    --shapes smol135m,llama1b --runs 2 --systems "$SYSTEMS" --json "$OUTDIR/engine.json" \
+    --shapes smol135m,llama1b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
+    --json "$OUTDIR/engine.json" \
     || status=1
 fi
 if wants engine-8b; then
   run_stage engine-8b "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
-    --shapes llama8b --runs 2 --systems "$SYSTEMS" --json "$OUTDIR/engine-8b.json" \
+    --shapes llama8b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
+    --json "$OUTDIR/engine-8b.json" \
     || status=1
 fi
 "$PY" - "$OUTDIR" <<'PYEOF' 2>&1 | tee -a "$LOG"

@@ -91,7 +91,9 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
     return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                                   scheduler=scheduler, device=options.device,
                                   cuda_graphs=options.cuda_graphs,
-                                  async_scheduling=options.async_scheduling))
+                                  async_scheduling=options.async_scheduling,
+                                  # Not yet run in a cluster on a GPU: off in workers until then.
+                                  fused_kernels=False))
 
 
 def exports_kv_cache(options: WorkerOptions) -> bool:

@@ -80,3 +80,16 @@ def _hand_back_gpu_memory():
 
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a CUDA machine, the tests of modules that run on CUDA where it is present
+    (`RUNS_ON_CUDA = True`: the Triton kernels, graphs, fused kernels, async scheduling) join
+    `pytest -m gpu`; without CUDA they run on the CPU and `-m gpu` leaves them out."""
+    if not torch.cuda.is_available():
+        return
+    for item in items:
+        module = getattr(item, "module", None)
+        if getattr(module, "RUNS_ON_CUDA", False):
+            item.add_marker(pytest.mark.gpu)
+

@@ -11,6 +11,8 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
 
+# On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
+RUNS_ON_CUDA = True
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -63,7 +65,8 @@ def mixed_params(prompt_token: int) -> list[SamplingParams]:
 def test_async_engine_outputs_equal_the_synchronous_ones(tiny_llama_dir, workload_prompts):
     """Greedy, a stop token met mid-run, a stop string, seeded sampling with logprobs, and
     requests of 1..15 tokens finishing at different steps (each leaves a step's row behind)."""
-    engines = pair(tiny_llama_dir)
+    # Two engines live at once: each gets a small cache (on CUDA the default takes 90% of it).
+    engines = pair(tiny_llama_dir, cache=CacheConfig(kv_cache_gb=0.25))
     prompts = [workload_prompts[i][:n] for i, n in enumerate((5, 33, 17, 48, 9, 26))]
     sync_out = run(engines[False], prompts, mixed_params(prompts[2][0]))
     async_out = run(engines[True], prompts, mixed_params(prompts[2][0]))

@@ -7,6 +7,9 @@ import torch
 
 from engine.attention.warmup import COUNTS, warm_up_attention
 
+# On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
+RUNS_ON_CUDA = True
+
 
 def test_warm_up_covers_every_split_count_and_integer_specialisation():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,6 +16,8 @@ from engine.decode_graphs import PAD_SLOT, DecodeRows, StaticDecodeInputs, bucke
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
 
+# On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
+RUNS_ON_CUDA = True
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H100_SMS = 132  # stands for the GPU's SM count: decode buckets of few sequences get split-KV
 
@@ -69,6 +71,8 @@ def generate(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingP
 
 
 def engines(model_dir, graphs_capture: bool, **config: object) -> dict[str, LLMEngine]:
+    # Both engines live at once: each gets a small cache (on CUDA the default takes 90% of it).
+    config.setdefault("cache", CacheConfig(kv_cache_gb=0.25))
     made = {}
     for name in ("eager", "graphs"):
         engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=DEVICE,

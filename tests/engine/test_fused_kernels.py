@@ -7,10 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import CacheConfig
 from engine.models import fused
 from engine.models.llama import apply_rope, rms_norm
 
+# On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
+RUNS_ON_CUDA = True
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Engines of one test (and of the test before it, until collected) share the device: each takes a
+# small cache rather than the default 90% of the GPU.
+SMALL_CACHE = CacheConfig(kv_cache_gb=0.25)
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
@@ -66,7 +72,8 @@ def test_empty_batches_and_bad_layouts():
 
 def test_greedy_generation_with_fused_kernels_matches_the_torch_form(tiny_llama_dir,
                                                                      workload_prompts):
-    """The whole decoder with the fused kernels (interpreter, fp32): same greedy tokens."""
+    """The whole decoder with the fused kernels (CUDA, or the interpreter on CPU; fp32): same
+    greedy tokens."""
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from engine.request import SamplingParams
@@ -76,7 +83,8 @@ def test_greedy_generation_with_fused_kernels_matches_the_torch_form(tiny_llama_
     outputs = {}
     for fused_on in (False, True):
         engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                                        fused_kernels=fused_on))
+                                        device=DEVICE, fused_kernels=fused_on,
+                                        cache=SMALL_CACHE))
         for i, p in enumerate(prompts):
             engine.add_request(p, params, request_id=str(i))
         done = {}
@@ -94,8 +102,9 @@ def test_start_up_forward_compiles_the_fused_path_and_writes_no_kv(tiny_llama_di
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                                    fused_kernels=True, attention_backend="triton"))
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", device=DEVICE,
+                                    fused_kernels=True, attention_backend="triton",
+                                    cache=SMALL_CACHE))
     runner = engine.runner
     for layer in runner.kv_caches:
         layer.normal_()  # any content: it must survive untouched

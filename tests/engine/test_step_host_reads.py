@@ -55,3 +55,14 @@ def test_scheduler_defaults_follow_the_device():
     mine = SchedulerConfig.for_device("cuda", max_num_seqs=32, max_num_batched_tokens=None)
     assert (mine.max_num_batched_tokens, mine.max_num_seqs) == (8192, 32)
     assert EngineConfig(device="cuda", scheduler=SchedulerConfig()).scheduler == SchedulerConfig()
+
+
+def test_gpu_speed_paths_default_on_for_cuda_only():
+    paths = ("cuda_graphs", "async_scheduling", "fused_kernels")
+    assert [getattr(EngineConfig(device="cpu"), p) for p in paths] == [False] * 3
+    assert [getattr(EngineConfig(device="cuda:1"), p) for p in paths] == [True] * 3
+    # graphs need the Triton backend: a torch-attention engine on CUDA leaves them off
+    torch_attention = EngineConfig(device="cuda", attention_backend="torch")
+    assert [getattr(torch_attention, p) for p in paths] == [False, True, True]
+    chosen = EngineConfig(device="cuda", cuda_graphs=False, fused_kernels=False)
+    assert [getattr(chosen, p) for p in paths] == [False, True, False]

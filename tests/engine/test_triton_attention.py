@@ -14,6 +14,8 @@ from engine.attention import triton_paged
 from engine.attention.reference import paged_attention_reference
 from engine.attention.torch_paged import paged_attention_torch
 
+# On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
+RUNS_ON_CUDA = True
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # On CPU, tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
 assert DEVICE == "cuda" or triton_paged.interpreting()

@@ -52,11 +52,14 @@ def run_cluster(tmp: Path, prompts: list[list[int]], reference: list[list[int]],
         return {w.kv_transport for w in workers}, {w.kv_device for w in workers}
 
 
-@pytest.mark.parametrize("prefill, decode", [(1, 1), (2, 2)])
-def test_one_gpu_shared_transport_matches_the_offline_engine(prefill, decode, prompts, reference,
-                                                             tmp_path):
+@pytest.mark.parametrize("prefill, decode, speed_paths", [(1, 1, False), (2, 2, False),
+                                                         (1, 1, True)])
+def test_one_gpu_shared_transport_matches_the_offline_engine(prefill, decode, speed_paths,
+                                                             prompts, reference, tmp_path):
+    """speed_paths: every worker replays CUDA graphs, decode workers schedule asynchronously."""
     transports, devices = run_cluster(tmp_path, prompts, reference, prefill=prefill,
                                       decode=decode, gpus=1, kv_transport="shared",
+                                      cuda_graphs=speed_paths, async_scheduling=speed_paths,
                                       router_args=("--local-prefill", "off"))
     assert transports == {"shared"} and all(d.startswith("cuda") for d in devices)
 

@@ -13,9 +13,11 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.gpu.jit_counter import JitCounter
 
-FLAGS = {"eager": {}, "graphs": {"cuda_graphs": True}, "async": {"async_scheduling": True},
-         "fused": {"fused_kernels": True},
-         "all": {"cuda_graphs": True, "async_scheduling": True, "fused_kernels": True}}
+OFF = {"cuda_graphs": False, "async_scheduling": False, "fused_kernels": False}
+FLAGS = {"eager": OFF, "graphs": {**OFF, "cuda_graphs": True},
+         "async": {**OFF, "async_scheduling": True}, "fused": {**OFF, "fused_kernels": True},
+         "all": {"cuda_graphs": True, "async_scheduling": True, "fused_kernels": True},
+         "default": {}}  # on CUDA the default is every path on
 MAX_TOKENS = 24
 # bfloat16 on CUDA vs float32 on CPU: rounding moves near-tied logits, so tokens may part after a
 # while. The bound: the first 4 generated tokens agree for at least 3 of every 4 prompts.
