@@ -4,7 +4,11 @@ admitting, completing and aborting its write through the receiver's ReservationB
 real transport does. One write per transfer (admitted at the first blocks sent), like `shared`.
 
 `FakeFabric.fail_next` makes the next copy fail (as a broken peer would) so tests can drive the
-failure paths; `FakeFabric.events` records what each transfer did, in order."""
+failure paths; clearing `FakeFabric.finish_gate` holds every `finish` (a transfer in flight at its
+end, as a slow receiver would keep it) until it is set; `FakeFabric.copy_delay_s` makes each copy
+that slow (a long prompt then streams for long enough that a test can act in the middle of it);
+`FakeFabric.events` records what each
+transfer did, in order."""
 
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ class FakeFabric:
     def __init__(self) -> None:
         self.receivers: dict[str, FakeReceiveConnector] = {}
         self.fail_next = False
+        self.finish_gate = threading.Event()
+        self.finish_gate.set()
+        self.copy_delay_s = 0.0
         self.events: list[tuple[str, str, int]] = []  # (what, request id, blocks sent by then)
         self.lock = threading.Lock()
 
@@ -115,6 +122,7 @@ class FakeSend(KVSend):
         theirs.index_copy_(2, dst_index, cache.index_select(2, src_index).to(theirs.device))
         num_bytes = cache[:, :, 0].numel() * cache.element_size() * (upto - self.sent)
         self.sent, self.num_bytes = upto, self.num_bytes + num_bytes
+        time.sleep(self.connector.fabric.copy_delay_s)
         self.connector.fabric.note("copied", self.transfer.request_id, upto)
         return num_bytes
 
@@ -134,6 +142,8 @@ class FakeSend(KVSend):
             raise self.error or TransferError(f"the transfer of {self.transfer.request_id} "
                                               f"ended already")
         started = time.perf_counter()
+        if not self.connector.fabric.finish_gate.wait(30):
+            raise TransferError("the test held the finish gate past 30 s")
         peer = self._admit()
         try:
             self._copy(peer, src_block_ids, len(src_block_ids))

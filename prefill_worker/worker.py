@@ -61,8 +61,11 @@ class PrefillWorker:
 
         def queue(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)
+            if request_id in self.shipping or request_id in self.loop.sinks:
+                raise ValueError(f"request_id {request_id!r} is already in use")
             check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
             _check_blocks(engine.block_manager.blocks_needed(len(token_ids)), descriptor)
+            # Checked before the transfer begins: a refusal leaves no transfer open.
             send = self.connectors[transfer.transport].begin(transfer) \
                 if self.options.kv_streaming else None
             self.loop.sinks[request_id] = lambda item: self._on_first(request_id, item,

@@ -130,6 +130,7 @@ def test_a_transfer_without_the_secret_is_refused_and_nothing_leaks(pair, worklo
 def test_an_abort_mid_stream_ends_the_write_and_frees_both_sides(tiny_llama_dir,
                                                                   workload_prompts):
     workers = Pair(str(tiny_llama_dir), streaming=True)
+    workers.fabric.copy_delay_s = 0.1  # 25 copies: the abort lands mid-stream, even on a busy CPU
     try:
         prompt = workload_prompts[3][:400]  # 25 blocks, one per step
         params = SamplingParams(max_tokens=4)
@@ -152,4 +153,37 @@ def test_an_abort_mid_stream_ends_the_write_and_frees_both_sides(tiny_llama_dir,
         assert ("aborted", "r4") in [e[:2] for e in workers.fabric.events]
         workers.wait_all_free()  # the decode worker freed the reservation at the failed end
     finally:
+        workers.close()
+
+
+def test_a_second_prefill_under_a_running_or_shipping_id_is_refused(tiny_llama_dir,
+                                                                    workload_prompts):
+    """Refused while the first prefills and while its KV ships (detached from the engine, its
+    end held): no second transfer begins, and the first ends with every block back."""
+    workers = Pair(str(tiny_llama_dir), streaming=True)
+    try:
+        prompt = workload_prompts[4][:400]
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        descriptor = workers.decode.reserve("r5", prompt, params, lease_s=60, secret=SECRET)
+        transfer = workers.prefill.transfer("r5", TRANSPORT, descriptor, SECRET)
+        workers.fabric.finish_gate.clear()
+        results: list[object] = []
+        thread = threading.Thread(target=lambda: results.append(
+            workers.prefill.prefill(prompt, params, transfer, timeout_s=60)))
+        thread.start()
+        wait_until(lambda: any(e[0] == "copied" for e in workers.fabric.events), "a first copy")
+        with pytest.raises(ValueError, match="already in use"):  # still prefilling
+            workers.prefill.prefill(prompt, params, transfer, timeout_s=60)
+        wait_until(lambda: "r5" in workers.prefill.shipping, "the KV shipping")
+        with pytest.raises(ValueError, match="already in use"):  # detached, shipping
+            workers.prefill.prefill(prompt, params, transfer, timeout_s=60)
+        workers.fabric.finish_gate.set()
+        thread.join(30)
+        first = results[0]
+        _, outputs = workers.decode.admit("r5", first.first_token, first.logprobs)
+        assert len([first.first_token, *(t for o in outputs for t in o.new_token_ids)]) == 3
+        assert [e[0] for e in workers.fabric.events].count("finished") == 1
+        workers.wait_all_free()
+    finally:
+        workers.fabric.finish_gate.set()
         workers.close()
