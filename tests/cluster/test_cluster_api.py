@@ -242,7 +242,7 @@ def test_reserved_blocks_whose_kv_never_arrives_are_freed_by_the_lease(cluster):
         reply = pb_grpc.DecodeWorkerStub(ch).Reserve(pb.ReserveRequest(
             request_id="orphan", prompt_token_ids=list(range(1, 200)),
             sampling=pb.SamplingOptions(max_tokens=4), lease_s=2.0), timeout=10)
-    assert len(reply.block_ids) == 13
+    assert len(reply.transfer.block_ids) == 13
     wait_until(lambda: worker_status(cluster, decode.worker_id).free_blocks
                == decode.total_blocks - 13, 5.0, "the reservation to show")
     _assert_no_leak(cluster)  # nobody aborts it: only the lease can free it
