@@ -42,9 +42,12 @@ class PromptMaker:
         self.rng = rng
         self.corpus_ids: list[int] = tokenizer(corpus, add_special_tokens=False)["input_ids"]
 
+    def excerpt(self, tokens: int) -> str:
+        start = self.rng.randrange(0, len(self.corpus_ids) - tokens - 1)
+        return self.tokenizer.decode(self.corpus_ids[start:start + tokens])
+
     def make(self, excerpt_tokens: int, system: str = SYSTEM_PROMPT) -> tuple[str, list[int]]:
-        start = self.rng.randrange(0, len(self.corpus_ids) - excerpt_tokens - 1)
-        excerpt = self.tokenizer.decode(self.corpus_ids[start:start + excerpt_tokens])
+        excerpt = self.excerpt(excerpt_tokens)
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"{self.rng.choice(INSTRUCTIONS)}\n\n{excerpt}"}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
@@ -76,9 +79,34 @@ def online_mixed(maker: PromptMaker, count: int = 240) -> list[Row]:
     return rows
 
 
-# In this order, from one random stream: a file's rows depend on every file built before it.
+def decode_heavy(maker: PromptMaker, count: int = 128) -> list[Row]:
+    """Chat turns of 60-260 excerpt tokens with long, spread outputs: 32-768 tokens,
+    log-uniform (most short, a tail of long ones), so the batch stays large for many steps."""
+    rows = []
+    for i in range(count):
+        text, ids = maker.make(maker.rng.randint(60, 260))
+        rows.append({"id": f"decode-{i}", "prompt": text, "prompt_token_ids": ids,
+                     "max_tokens": int(32 * 24 ** maker.rng.random()), "ignore_eos": True})
+    return rows
+
+
+def shared_prefix(maker: PromptMaker, count: int = 32) -> list[Row]:
+    """Long prompts sharing one system prompt (~400 tokens of reference text), each with its own
+    question of 40-200 excerpt tokens; outputs of 32, 64 or 128 tokens."""
+    system = f"{SYSTEM_PROMPT} Answer from this reference:\n\n{maker.excerpt(400)}"
+    rows = []
+    for i in range(count):
+        text, ids = maker.make(maker.rng.randint(40, 200), system=system)
+        rows.append({"id": f"shared-{i}", "prompt": text, "prompt_token_ids": ids,
+                     "max_tokens": maker.rng.choice([32, 64, 128]), "ignore_eos": True})
+    return rows
+
+
+# In this order, from one random stream: a file's rows depend on every file built before it
+# (new workloads go last, so the earlier files stay byte for byte what they were).
 BUILDERS: tuple[tuple[str, Callable[[PromptMaker], list[Row]]], ...] = (
-    ("offline_mixed", offline_mixed), ("online_mixed", online_mixed))
+    ("offline_mixed", offline_mixed), ("online_mixed", online_mixed),
+    ("decode_heavy", decode_heavy), ("shared_prefix", shared_prefix))
 
 
 def write_jsonl(path: Path, rows: list[Row]) -> str:
