@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.omp_threads import use_one_torch_thread
 from security import auth
 from security.tls import ClusterTls, ServerTls
 
@@ -66,7 +67,11 @@ def start_server(host: str, port: int, adders: Sequence[Callable[[grpc.Server], 
                ("grpc.so_reuseport", 0)]
     token = auth.current()
     interceptors = [auth.TokenCheck(token, internal, on_refused)] if token and internal else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+    # Handlers never start OpenMP teams of their own (engine.omp_threads): the engine loop's
+    # thread is the only one computing in parallel.
+    handlers = futures.ThreadPoolExecutor(max_workers=max_workers,
+                                          initializer=use_one_torch_thread)
+    server = grpc.server(handlers, options=options,
                          interceptors=interceptors)
     for add in adders:
         add(server)

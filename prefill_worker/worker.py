@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.engine import LLMEngine, RequestOutput
+from engine.omp_threads import use_one_torch_thread
 from engine.request import Request, SamplingParams
 from kv_transfer import KVSend, KVSendConnector, Transfer, TransferDescriptor, TransferStats
 from prefill_worker.handoff import PrefillResult
@@ -33,7 +34,8 @@ class PrefillWorker:
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         # Sends to one decode worker run one at a time; the threads let sends to the others
         # proceed meanwhile (a dead receiver fails fast, so none is held for long).
-        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send")
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-send",
+                                            initializer=use_one_torch_thread)
         self.connectors = dict(connectors)  # by transport name
         self.dtype = str(engine.dtype).removeprefix("torch.")
         self.shipping: dict[str, Request] = {}

@@ -15,6 +15,7 @@ from common.grpc_server import Server, start_server
 from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.omp_threads import build_on_passing_thread, use_one_torch_thread
 from kv_transfer.connectors import exports_cache
 from kv_transfer.device import device_identity
 from kv_transfer.selection import local_host_id
@@ -88,12 +89,18 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
         options.device, max_num_batched_tokens=options.max_num_batched_tokens,
         queue_policy=options.queue_policy, queue_age_bound_s=options.queue_age_bound_s,
         prefill_chunk_size=options.chunk_size)
-    return LLMEngine(EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
-                                  scheduler=scheduler, device=options.device,
-                                  cuda_graphs=options.cuda_graphs,
-                                  async_scheduling=options.async_scheduling,
-                                  # Not yet run in a cluster on a GPU: off in workers until then.
-                                  fused_kernels=False))
+    config = EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
+                          scheduler=scheduler, device=options.device,
+                          cuda_graphs=options.cuda_graphs,
+                          async_scheduling=options.async_scheduling,
+                          # Not yet run in a cluster on a GPU: off in workers until then.
+                          fused_kernels=False)
+    if options.device != "cpu":  # the GPU run proved workers built on this thread: kept so
+        return LLMEngine(config)
+    # The engine loop's thread alone computes on `threads` cores (engine.omp_threads): this
+    # thread goes on to serve requests, and the engine is built on one that ends.
+    use_one_torch_thread()
+    return build_on_passing_thread(lambda: LLMEngine(config))
 
 
 def exports_kv_cache(options: WorkerOptions) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.omp_threads import use_one_torch_thread
 from kv_transfer.errors import TransferError
 
 # send(layers, first_block, num_blocks): one piece, acknowledged by the decode worker on return.
@@ -32,6 +33,7 @@ class PieceSender:
         self._queue.put((layers, first_block, num_blocks))
 
     def _run(self) -> None:
+        use_one_torch_thread()  # packing and sending never start an OpenMP team here
         while (item := self._queue.get()) is not None:
             try:
                 if self.error is None and not self._cancelled:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.kv_memory import KVBuffer
+from engine.omp_threads import use_one_torch_thread
 from kv_transfer.connector import (
     KVReceiveConnector,
     KVSend,
@@ -42,7 +43,8 @@ class SharedSendConnector(KVSendConnector):
         self.timeout_s = timeout_s
         self.sender = SharedSender(worker_id, timeout_s, pause_in_write_s)
         # Opening and failing writes wait on the decode worker: never on the caller's thread.
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-shared")
+        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-shared",
+                                           initializer=use_one_torch_thread)
 
     def begin(self, transfer: Transfer) -> SharedSend:
         address = transfer.descriptor.endpoint(TRANSPORT).get("export", "")

@@ -12,6 +12,7 @@ import socket
 import threading
 
 from engine.kv_memory import KVBuffer
+from engine.omp_threads import use_one_torch_thread
 from kv_transfer.connector import ReservationBook, Write
 from kv_transfer.device import device_identity
 from kv_transfer.errors import TransferStats
@@ -65,6 +66,7 @@ class KVExporter:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        use_one_torch_thread()
         mapping_id, key, pid = next(self._ids), "", 0
         said_bye = False
         try:
