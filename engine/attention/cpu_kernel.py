@@ -28,9 +28,22 @@ def _cpu_flags() -> str:
     return ""
 
 
-def extension_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
-    return f"pdserve_paged_decode_{digest}"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+
+
+def extension_name(source: Path = SOURCE, extra_cflags: tuple[str, ...] = ()) -> str:
+    key = source.read_bytes() + _cpu_flags().encode() + " ".join(extra_cflags).encode()
+    return f"pdserve_paged_decode_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def build_kernel(source: Path = SOURCE, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
+    """Compiles (or loads the cached build of) `source`; raises where it cannot be built. The
+    benchmark passes another source to compare kernels in one process; the tests pass
+    `-mno-avx512f` to build the portable path a machine without AVX-512 gets."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=extension_name(source, extra_cflags), sources=[str(source)],
+                extra_cflags=[*CFLAGS, *extra_cflags], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 @functools.cache
@@ -39,11 +52,7 @@ def load_cpu_kernel() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV):
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name=extension_name(), sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        return build_kernel()
     except Exception as exc:  # no compiler, no ninja, unsupported platform
         log.warning("native CPU decode attention unavailable, using the torch path: %s", exc)
         return None
