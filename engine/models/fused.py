@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.models.elementwise import TorchElementwise
+
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, n_cols, eps,
@@ -104,3 +106,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(rows, triton.cdiv(width // 2, block))](gate_up, out, width // 2,
                                                                   BLOCK=block)
     return out
+
+
+class TritonElementwise(TorchElementwise):
+    """The chains as the Triton kernels above (CUDA; on CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+    rotates_in_place = True
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(h, delta, weight, eps)
+
+    def rope_qk_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        rope_(qk, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)

@@ -14,16 +14,8 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
+from engine.models.elementwise import TorchElementwise, rms_norm
 from engine.models.linear import Linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dtype == torch.float32:
-        # One fused kernel, bitwise equal to the three-op form below (checked in the tests).
-        return F.rms_norm(x, weight.shape, weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -71,15 +63,6 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class DecoderLayer:
     def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig):
         self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
@@ -96,18 +79,13 @@ class DecoderLayer:
         self.scale = self.head_dim ** -0.5
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend
-                ) -> torch.Tensor:
-        x = rms_norm(h, self.input_norm, self.eps)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = h.shape[0]
-        q = apply_rope(q.view(t, self.n_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(t, self.n_kv, self.head_dim), *rope)
-        v = v.view(t, self.n_kv, self.head_dim)
-        h = h + self.o_proj(self._attend(q, k, v, kv_cache, md, attention))
-        x = rms_norm(h, self.post_attention_norm, self.eps)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+                kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend,
+                ops: TorchElementwise) -> torch.Tensor:
+        _, x = ops.add_rms_norm(h, None, self.input_norm, self.eps)
+        q, k, v = ops.rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv, self.head_dim)
+        h, x = ops.add_rms_norm(h, self.o_proj(self._attend(q, k, v, kv_cache, md, attention)),
+                                self.post_attention_norm, self.eps)
+        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -120,30 +98,15 @@ class DecoderLayer:
                          num_kv_splits=md.num_kv_splits)
         return attn.reshape(q.shape[0], self.q_size)
 
-    def forward_fused(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      kv_cache: torch.Tensor, md: AttentionMetadata,
-                      attention: AttentionBackend) -> torch.Tensor:
-        """`forward` with the element-wise chains as fused Triton kernels (models.fused)."""
-        from engine.models import fused
-
-        _, x = fused.add_rms_norm(h, None, self.input_norm, self.eps)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = h.shape[0]
-        q = fused.rope_(q.view(t, self.n_heads, self.head_dim), *rope)
-        k = fused.rope_(k.view(t, self.n_kv, self.head_dim), *rope)
-        v = v.view(t, self.n_kv, self.head_dim)
-        h, x = fused.add_rms_norm(h, self.o_proj(self._attend(q, k, v, kv_cache, md, attention)),
-                                  self.post_attention_norm, self.eps)
-        return h + self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
-
 
 class LlamaModel:
     """The whole decoder; `forward` returns fp32 logits for the rows in `logits_indices`."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 fused: bool = False):
+                 elementwise: TorchElementwise | None = None):
         self.config = config
-        self.fused = fused  # the element-wise chains as fused Triton kernels (GPU; off: unproven)
+        # The element-wise chains: the torch form, or fused kernels (engine.models.elementwise).
+        self.elementwise = elementwise or TorchElementwise()
         self.embed = weights["embed"]
         self.lm_head = Linear(weights.get("lm_head", self.embed))
         self.norm = weights["norm"]
@@ -162,8 +125,7 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            run = layer.forward_fused if self.fused else layer.forward
-            h = run(h, rope, kv_cache, md, attention)
+            h = layer.forward(h, rope, kv_cache, md, attention, self.elementwise)
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
         return self.lm_head(h).float()
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine.config import CacheConfig
 from engine.models import fused
-from engine.models.llama import apply_rope, rms_norm
+from engine.models.elementwise import apply_rope, rms_norm
 
 # On CUDA where present (and then part of `pytest -m gpu`: tests/conftest.py).
 RUNS_ON_CUDA = True

@@ -1,0 +1,304 @@
+// The decoder layer's element-wise chains as one native CPU kernel each (AVX-512): residual add +
+// RMSNorm, RoPE on q and k in place, SiLU(gate) * up. The torch form runs 3-8 small kernels per
+// chain, each a pass over memory and a dispatch; at decode those were ~30% of a bf16 step.
+//
+// Every kernel rounds where the torch form (engine.models.elementwise, transformers' numerics)
+// rounds, and computes each rounded value the way torch's CPU kernels do: products and sums in
+// fp32 without contraction into FMA (built with -ffp-contract=off), bf16 by round-to-nearest-even,
+// exp by the SLEEF routine torch's vectorized exp calls (Sleef_expf16_u10, exported by
+// libtorch_cpu), the RMSNorm's sum of squares in the order of torch's sum kernel. So all three are
+// bitwise equal to the torch form in float32 and bfloat16 (the tests check it).
+//
+// Without AVX-512 (F, BW, VL) the module builds but `available()` is false and the model keeps the
+// torch form.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PDSERVE_ELEMENTWISE 1
+#include <immintrin.h>
+
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
+namespace {
+
+// Element-wise work below this many elements runs on the calling thread: at decode sizes a
+// parallel region costs more than it saves.
+constexpr int64_t kParallelElements = 32768;
+
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kParallelElements / cols); }
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// Loads and stores of 16 lanes, widened to fp32 / rounded back, masked for the row's tail.
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load(const at::BFloat16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void store(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+
+// Round to nearest even, NaN kept quiet: c10::BFloat16's conversion.
+inline __m512i bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+}
+
+inline void store(at::BFloat16* p, __m512 x, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
+
+// The value a store to T would hold, back in fp32: where the torch form materialises a tensor.
+template <typename T>
+inline __m512 round_to(__m512 x);
+
+template <>
+inline __m512 round_to<float>(__m512 x) { return x; }
+
+template <>
+inline __m512 round_to<at::BFloat16>(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
+}
+
+// 8 lanes widened to fp32: the width torch's reductions run at (below).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// The sum of x*x over a row, added in exactly the order of torch's CPU sum over a contiguous last
+// dim (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum),
+// so `x.pow(2).mean(-1)` of the torch form is reproduced bit for bit. Its kernel is registered
+// without an AVX-512 variant, so it runs on 8-lane vectors even on AVX-512 machines: 8-lane
+// vectors in four interleaved accumulators with a four-level cascade every 16 steps, the leftover
+// vectors into the first, the four combined in order, then the scalar tail, then the lanes in
+// order. (The tests check the bits against torch.)
+template <typename T>
+float torch_order_sum_of_squares(const T* x, int64_t n) {
+  constexpr int kLanes = 8, kIlp = 4, kLevels = 4, kLevelPower = 4;  // max(4, CeilLog2(size) / 4)
+  const int64_t vectors = n / kLanes, groups = vectors / kIlp;
+  auto square = [&](int64_t v) {
+    const __m256 a = load8(x + v * kLanes);
+    return _mm256_mul_ps(a, a);
+  };
+  __m256 acc[kLevels][kIlp];
+  for (auto& level : acc)
+    for (auto& a : level) a = _mm256_setzero_ps();
+  const int64_t step = int64_t(1) << kLevelPower, mask = step - 1;
+  int64_t i = 0;
+  while (i + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], square(i * kIlp + k));
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+        acc[j - 1][k] = _mm256_setzero_ps();
+      }
+      if ((i & (mask << (j * kLevelPower))) != 0) break;
+    }
+  }
+  for (; i < groups; ++i)
+    for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], square(i * kIlp + k));
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+  for (int64_t v = groups * kIlp; v < vectors; ++v) acc[0][0] = _mm256_add_ps(acc[0][0], square(v));
+  for (int k = 1; k < kIlp; ++k) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t c = vectors * kLanes; c < n; ++c) {
+    const float f = static_cast<float>(x[c]);
+    total += f * f;
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, acc[0][0]);
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
+// residual = h + delta (rounded to T); out = T(T(residual * rstd) * weight) with rstd =
+// 1 / sqrt(mean(residual^2) + eps) in fp32: transformers' LlamaRMSNorm after the residual add.
+template <typename T>
+void add_rms_norm_row(const T* h, const T* delta, const T* weight, T* residual, T* out,
+                      int64_t cols, float eps) {
+  if (delta != nullptr) {
+    for (int64_t c = 0; c < cols; c += 16) {
+      const __mmask16 m = tail_mask(cols - c);
+      store(residual + c, _mm512_add_ps(load(h + c, m), load(delta + c, m)), m);
+    }
+  }
+  const T* x_row = delta != nullptr ? residual : h;
+  const float mean = torch_order_sum_of_squares(x_row, cols) / float(cols);
+  const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = tail_mask(cols - c);
+    const __m512 normed = round_to<T>(_mm512_mul_ps(load(x_row + c, m), rstd));
+    store(out + c, _mm512_mul_ps(normed, load(weight + c, m)), m);
+  }
+}
+
+// One token's heads in place: x1' = T(T(x1 * cos1) - T(x2 * sin1)), x2' = T(T(x2 * cos2) +
+// T(x1 * sin2)): `x * cos + rotate_half(x) * sin` with its three roundings.
+template <typename T>
+void rope_token(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t hd = 0; hd < heads; ++hd) {
+    T* row = x + hd * head_dim;
+    for (int64_t c = 0; c < half; c += 16) {
+      const __mmask16 m = tail_mask(half - c);
+      const __m512 x1 = load(row + c, m), x2 = load(row + half + c, m);
+      const __m512 a1 = round_to<T>(_mm512_mul_ps(x1, load(cos + c, m)));
+      const __m512 b1 = round_to<T>(_mm512_mul_ps(x2, load(sin + c, m)));
+      const __m512 a2 = round_to<T>(_mm512_mul_ps(x2, load(cos + half + c, m)));
+      const __m512 b2 = round_to<T>(_mm512_mul_ps(x1, load(sin + half + c, m)));
+      store(row + c, _mm512_sub_ps(a1, b1), m);
+      store(row + half + c, _mm512_add_ps(a2, b2), m);
+    }
+  }
+}
+
+// out = T(T(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch's vectorized kernel has it.
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t cols) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = tail_mask(cols - c);
+    const __m512 g = load(gate + c, m);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    store(out + c, _mm512_mul_ps(silu, load(up + c, m)), m);
+  }
+}
+
+template <typename T>
+void add_rms_norm_typed(const torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
+                        const torch::Tensor& weight, torch::Tensor& residual, torch::Tensor& out,
+                        double eps) {
+  const int64_t rows = h.size(0), cols = h.size(1);
+  const T* hp = h.data_ptr<T>();
+  const T* dp = delta.has_value() ? delta->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      add_rms_norm_row(hp + r * cols, dp ? dp + r * cols : nullptr, wp, rp + r * cols,
+                       op + r * cols, cols, float(eps));
+  });
+}
+
+template <typename T>
+void rope_typed(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) rope_token(xp + t * stride, heads, dim, cp + t * dim, sp + t * dim);
+  });
+}
+
+template <typename T>
+void silu_mul_typed(const torch::Tensor& gate_up, torch::Tensor& out) {
+  const int64_t rows = gate_up.size(0), cols = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r)
+      silu_mul_row(gp + r * 2 * cols, gp + r * 2 * cols + cols, op + r * cols, cols);
+  });
+}
+
+void check_dtype(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+}  // namespace
+
+// (h + delta, rms_norm(h + delta) * weight) for h [rows, hidden]; delta None: (h, rms_norm(h) *
+// weight).
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps) {
+  check_dtype(h, "h");
+  TORCH_CHECK(h.dim() == 2, "h must be [rows, hidden]");
+  h = h.contiguous();
+  if (delta.has_value()) {
+    TORCH_CHECK(delta->sizes() == h.sizes() && delta->scalar_type() == h.scalar_type(),
+                "delta must match h");
+    delta = delta->contiguous();
+  }
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) &&
+                  weight.scalar_type() == h.scalar_type() && weight.is_contiguous(),
+              "weight must be a contiguous [hidden] vector of h's dtype");
+  torch::Tensor residual = delta.has_value() ? torch::empty_like(h) : h;
+  torch::Tensor out = torch::empty_like(h);
+  if (h.scalar_type() == at::kFloat)
+    add_rms_norm_typed<float>(h, delta, weight, residual, out, eps);
+  else
+    add_rms_norm_typed<at::BFloat16>(h, delta, weight, residual, out, eps);
+  return {residual, out};
+}
+
+// RoPE (rotate-half form) in place on x [tokens, heads, head_dim] (each token's heads contiguous,
+// tokens strided: a view of the fused qkv projection) with cos, sin [tokens, head_dim].
+torch::Tensor rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [tokens, heads, head_dim] with each token's heads contiguous");
+  TORCH_CHECK(x.size(2) % 2 == 0, "head_dim must be even");
+  cos = cos.reshape({x.size(0), x.size(2)}).contiguous();
+  sin = sin.reshape({x.size(0), x.size(2)}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must have x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    rope_typed<float>(x, cos, sin);
+  else
+    rope_typed<at::BFloat16>(x, cos, sin);
+  return x;
+}
+
+// silu(gate) * up for gate_up [rows, 2 * I], gate first (the fused weight's layout).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_dtype(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * I]");
+  gate_up = gate_up.contiguous();
+  torch::Tensor out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_typed<float>(gate_up, out);
+  else
+    silu_mul_typed<at::BFloat16>(gate_up, out);
+  return out;
+}
+
+#endif  // AVX-512
+
+bool available() {
+#ifdef PDSERVE_ELEMENTWISE
+  return true;
+#else
+  return false;
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available", &available, "whether this build has the AVX-512 kernels");
+#ifdef PDSERVE_ELEMENTWISE
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)");
+  m.def("rope_", &rope_, "RoPE in place (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU)");
+#endif
+}

@@ -1,0 +1,172 @@
+"""The native CPU element-wise kernels (engine/models/csrc/cpu_elementwise.cpp) against the torch
+form they replace (engine.models.elementwise), bitwise in float32 and bfloat16: RoPE on a strided
+view of the projection, SiLU * up, residual add + RMSNorm (its sum of squares in torch's order),
+over widths on and off the vector grid and rows enough to run in parallel; then the whole model:
+logits bitwise equal to the torch form's in both dtypes, and bf16 greedy tokens equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.cpu_elementwise import load_cpu_elementwise
+from engine.models.elementwise import TorchElementwise, apply_rope, rms_norm
+from engine.native_build import cpu_flags
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = load_cpu_elementwise()
+    if module is None:
+        flags = cpu_flags().split()
+        # Where the CPU has AVX-512, the kernels must build: a silent fallback would hide a bug.
+        assert not {"avx512f", "avx512bw", "avx512vl"} <= set(flags), \
+            "the CPU has AVX-512 but the native element-wise kernels did not load"
+        pytest.skip("no AVX-512 or no C++ compiler: the torch form is used")
+    return module
+
+
+def rand(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128, 40])
+@pytest.mark.parametrize("tokens", [1, 7, 600])
+def test_rope_is_bitwise_the_torch_form_on_a_view_of_the_projection(native, dtype, dim, tokens):
+    heads, kv_heads = 9, 3
+    qkv = rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, scale=3.0)
+    angles = rand(tokens, 1, dim // 2, dtype=torch.float32, seed=1, scale=50.0)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_k = qkv[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    expected = apply_rope(q_k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    native.rope_(q_k, cos, sin)
+    assert torch.equal(q_k, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1536, 96, 32])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_silu_mul_is_bitwise_the_torch_form(native, dtype, width, rows):
+    gate_up = rand(rows, 2 * width, dtype=dtype, scale=6.0)
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0], dtype=dtype)  # exp's edges
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(native.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [100, 16, 1])
+def test_silu_mul_row_tails(native, dtype, width):
+    """Widths off the 16-lane grid: torch computes a row's last (width mod 32) elements with
+    libm's exp, its vector body with SLEEF's, which may differ by an ulp; the native kernel uses
+    SLEEF's throughout (models' widths are multiples of 32, where both agree bitwise)."""
+    gate_up = rand(7, 2 * width, dtype=dtype, scale=6.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    tol = dict(rtol=2.0 ** -7, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=0)
+    torch.testing.assert_close(native.silu_mul(gate_up), F.silu(gate) * up, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 64, 100, 4096, 5000, 3])
+@pytest.mark.parametrize("rows", [3, 400])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_is_bitwise_the_torch_form(native, dtype, hidden, rows, with_delta):
+    h = rand(rows, hidden, dtype=dtype, scale=4.0)
+    delta = rand(rows, hidden, dtype=dtype, seed=1) if with_delta else None
+    weight = rand(hidden, dtype=dtype, seed=2)
+    residual, out = native.add_rms_norm(h, delta, weight, 1e-5)
+    total = h + delta if with_delta else h
+    assert torch.equal(residual, total)
+    xf = total.float()  # transformers' three-op form (fp32: F.rms_norm is bitwise this too)
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(out, expected)
+    assert torch.equal(out, rms_norm(total, weight, 1e-5))
+
+
+def test_bad_inputs_are_refused_and_empty_batches_work(native):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        native.silu_mul(torch.ones(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        native.rope_(torch.ones(3, 2, 64).transpose(0, 1), torch.ones(2, 64), torch.ones(2, 64))
+    with pytest.raises(RuntimeError, match="delta must match"):
+        native.add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-5)
+    assert native.silu_mul(torch.ones(0, 8)).shape == (0, 4)
+    assert native.add_rms_norm(torch.ones(0, 8), None, torch.ones(8), 1e-5)[1].shape == (0, 8)
+
+
+def run_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_on_cpu_uses_the_native_kernels_and_logits_are_bitwise_the_torch_forms(
+        native, tiny_llama_dir, workload_prompts, dtype):
+    from engine.attention import AttentionMetadata
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype=dtype))
+    model = engine.runner.model
+    assert model.elementwise.name == "native"
+    ids = torch.tensor(workload_prompts[0][:48])
+    n = len(ids)
+    md = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64), block_table=torch.arange(
+            -(-n // 16), dtype=torch.int32).unsqueeze(0),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32), max_query_len=n, max_seq_len=n,
+        query_lens_list=[n], seq_lens_list=[n])
+    runner = engine.runner
+    logits = {}
+    for ops in (model.elementwise, TorchElementwise()):
+        model.elementwise = ops
+        runner.attention.prepare(md.block_table, [n], [n], runner.block_size)
+        logits[ops.name] = model.forward(ids, torch.arange(n), runner.kv_caches, md,
+                                         runner.attention, torch.arange(n))
+    assert torch.equal(logits["native"], logits["torch"])
+
+
+def test_bf16_greedy_tokens_match_the_torch_form(native, default_model_dir, workload_prompts):
+    """Two engines (a second run in one engine would be served from the first's prefix cache,
+    another computation path)."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+
+    prompts = [workload_prompts[i][:64] for i in range(4)]
+    outputs = []
+    for form in ("native", "torch"):
+        engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="bfloat16"))
+        assert engine.runner.model.elementwise.name == "native"
+        if form == "torch":
+            engine.runner.model.elementwise = TorchElementwise()
+        outputs.append(run_greedy(engine, prompts, 16))
+        del engine
+    assert outputs[0] == outputs[1]
+
+
+def test_without_avx512_the_module_builds_and_reports_unavailable():
+    """A machine without AVX-512 gets a module whose `available()` is false, so the model keeps
+    the torch form (load_cpu_elementwise returns None there)."""
+    from engine.models.cpu_elementwise import CFLAGS, PREFIX, SOURCE
+    from engine.native_build import build_native
+
+    portable = build_native(PREFIX, SOURCE, (*CFLAGS, "-mno-avx512f"))
+    assert portable.available() is False
+    assert not hasattr(portable, "silu_mul")
