@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import served_report
 from benchmarks import served_vs_vllm as svv
 
 MODEL = Path("/models/SmolLM2-135M-Instruct")
@@ -116,7 +117,7 @@ def _records() -> list[dict]:
 
 
 def test_summary_is_the_median_over_runs():
-    summary = svv.summarize(_records())
+    summary = served_report.summarize(_records())
     vllm = summary[("vllm", 1.0)]
     assert vllm["request_throughput"] == pytest.approx(0.95)
     assert vllm["median_ttft_ms"] == pytest.approx(110.0)
