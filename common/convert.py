@@ -40,6 +40,12 @@ def sampling_from_proto(options: Any) -> SamplingParams:
         stop_token_ids=tuple(options.stop_token_ids),
         ignore_eos=options.ignore_eos,
         logprobs=options.logprobs if options.HasField("logprobs") else None,
+        logit_bias=tuple(options.logit_bias.items()),
+        min_tokens=options.min_tokens,
+        repetition_penalty=(options.repetition_penalty if options.HasField("repetition_penalty")
+                            else 1.0),
+        frequency_penalty=options.frequency_penalty,
+        presence_penalty=options.presence_penalty,
     )
     return dataclasses.replace(params, temperature=0.0) if top_p == 0.0 else params
 
@@ -48,7 +54,11 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
     options = pb.SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos)
+        ignore_eos=params.ignore_eos, logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens, frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty)
+    if params.repetition_penalty != 1.0:
+        options.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         options.seed = params.seed
     if params.logprobs is not None:

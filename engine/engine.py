@@ -112,6 +112,9 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias contains {bad}, outside the vocabulary [0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

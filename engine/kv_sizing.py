@@ -69,7 +69,9 @@ def activation_reserve_bytes(model: ModelConfig, max_num_batched_tokens: int, ma
     and does not always reuse freed blocks of other sizes. Logits exist only for each request's
     last token (at most min(tokens, max_num_seqs) rows): the lm_head output, its fp32 copy and the
     sampler's fp32 temporaries (softmax, noise, sorted values with int64 indices, masks, scatter)
-    come to about dtype + 32 bytes per vocabulary entry.
+    come to about dtype + 32 bytes per vocabulary entry; logit processing (penalties: the
+    processed copy, token counts for output and prompt, masks, the penalized rows' temporaries)
+    adds up to 32 more.
     """
     attention = ((model.num_heads + 2 * model.num_kv_heads) * model.head_dim
                  + 4 * model.num_heads * model.head_dim)
@@ -77,7 +79,7 @@ def activation_reserve_bytes(model: ModelConfig, max_num_batched_tokens: int, ma
     per_token = dtype_bytes * (3 * model.hidden_size + widest) + 8 * model.hidden_size
     logits_rows = min(max_num_batched_tokens, max_num_seqs)
     return (2 * max_num_batched_tokens * per_token
-            + logits_rows * model.vocab_size * (dtype_bytes + 32))
+            + logits_rows * model.vocab_size * (dtype_bytes + 64))
 
 
 def cuda_kv_budget_bytes(total: int, reserved: int, free: int, reserve: int,

@@ -16,8 +16,10 @@ from engine.device_tensors import to_device
 from engine.kv_memory import allocate_kv_buffer
 from engine.kv_sizing import num_kv_blocks
 from engine.loader import load_weights
+from engine.logits_processing import RowHistory, stop_ids_for_min_tokens
 from engine.models.elementwise import select_elementwise
 from engine.models.llama import LlamaModel
+from engine.request import Request
 from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import HostBatch, batch_tensors, host_batch
@@ -34,6 +36,10 @@ class PreparedStep:
     metadata: AttentionMetadata | None
     logits_rows: torch.Tensor
     graph_bucket: int | None = None  # the decode graph this step replays (its rows are prepared)
+    # Async scheduling: the previous step's sampled tokens on the device and each request's row
+    # there (penalties count a request's pending token too).
+    previous_tokens: torch.Tensor | None = None
+    previous_rows: dict[str, int] | None = None
 
 
 @dataclass
@@ -187,16 +193,20 @@ class ModelRunner:
         batch = host_batch(items, self.block_size)
         rows = to_device(batch.logits_rows, torch.int64, self.device)
         bucket = self._graph_bucket(batch)
+        prev_tokens = previous.samples.tokens if previous and previous.samples else None
+        prev_rows = previous.sample_rows() if prev_tokens is not None else None
         if bucket is not None:
             self.graphs.prepare(DecodeRows(batch.token_ids, batch.positions, batch.slots,
                                            batch.seq_lens, batch.block_tables), bucket)
             self._fill_pending(self.graphs.inputs.token_ids, batch, previous)
-            return PreparedStep(order, items, None, None, None, rows, graph_bucket=bucket)
+            return PreparedStep(order, items, None, None, None, rows, bucket, prev_tokens,
+                                prev_rows)
         input_ids, positions, md = batch_tensors(batch, self.device)
         self._fill_pending(input_ids, batch, previous)
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
-        return PreparedStep(order, items, input_ids, positions, md, rows)
+        return PreparedStep(order, items, input_ids, positions, md, rows, None, prev_tokens,
+                            prev_rows)
 
     def _fill_pending(self, input_ids: torch.Tensor, batch: HostBatch,
                       previous: LaunchedStep | None) -> None:
@@ -230,6 +240,21 @@ class ModelRunner:
         sampling_items = [s for s in step.items if s.samples]
         if not sampling_items:
             return None
-        batch = SamplingBatch([s.request.params for s in sampling_items],
-                              [s.request.num_output_tokens for s in sampling_items])
+        requests = [s.request for s in sampling_items]
+        batch = SamplingBatch([r.params for r in requests], [r.num_output_tokens for r in requests],
+                              [self._history(r, step) for r in requests], step.previous_tokens)
         return self.sampler.sample(logits, batch)
+
+    @staticmethod
+    def _history(request: Request, step: PreparedStep) -> RowHistory | None:
+        """What logit processing needs of a request beyond its parameters (None: nothing)."""
+        params = request.params
+        if not params.processes_logits:
+            return None
+        pending_row = None
+        if request.num_pending and params.penalizes_history:
+            if step.previous_rows is None or request.request_id not in step.previous_rows:
+                raise RuntimeError("a pending token without the step that samples it")
+            pending_row = step.previous_rows[request.request_id]
+        return RowHistory(request.prompt_token_ids, request.output_token_ids,
+                          stop_ids_for_min_tokens(params, request.eos_token_ids), pending_row)

@@ -15,6 +15,13 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 disables top-k; top_p 1.0 disables nucleus sampling.
     `logprobs`: None for none, 0 for the sampled token's logprob, k for that plus the top k.
+
+    Logit processing, as vLLM defines it (applied in engine.logits_processing, in this order):
+    `logit_bias` adds (token id, bias) pairs to the logits; before `min_tokens` output tokens
+    exist, EOS and `stop_token_ids` are masked and no stop condition ends the request;
+    `repetition_penalty` divides positive (multiplies negative) logits of tokens seen in the
+    prompt or the output; `frequency_penalty` subtracts itself times a token's count in the
+    output, `presence_penalty` itself once for every token present in the output.
     """
 
     max_tokens: int = 16
@@ -27,8 +34,16 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     MAX_LOGPROBS = 20
+    MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs
+    MAX_REPETITION_PENALTY = 2.0
+    MAX_LOGIT_BIAS = 100.0  # OpenAI's bound, both signs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,10 +75,46 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
+        self._check_logit_processing()
+
+    def _check_logit_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = float(getattr(self, name))
+            if not -self.MAX_PENALTY <= value <= self.MAX_PENALTY:  # NaN fails too
+                raise ValueError(f"{name} must be in [-{self.MAX_PENALTY:g}, "
+                                 f"{self.MAX_PENALTY:g}], got {getattr(self, name)}")
+        if not 0.0 < float(self.repetition_penalty) <= self.MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY:g}]"
+                             f", got {self.repetition_penalty}")
+        bias = dict(self.logit_bias)  # accepts a mapping or pairs; one entry per token
+        for token, value in bias.items():
+            _check_int("logit_bias token id", token)
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -self.MAX_LOGIT_BIAS <= float(value) <= self.MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}] must be in [-{self.MAX_LOGIT_BIAS:g}, "
+                                 f"{self.MAX_LOGIT_BIAS:g}], got {value}")
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((t, float(v)) for t, v in bias.items())))
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalizes_history(self) -> bool:
+        """Whether sampling needs the tokens seen so far (a penalty is set)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logit processing is set (bias, min_tokens or a penalty)."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.penalizes_history
 
 
 def _check_int(name: str, value: object) -> None:
@@ -193,13 +244,18 @@ class Request:
         """Set finish_reason if the last token ends the request. Truncates text at a stop string."""
         token = self.output_token_ids[-1]
         p = self.params
+        if len(self.output_token_ids) < p.min_tokens:  # no stop before min_tokens (vLLM's rule)
+            return self._check_length()
         if not p.ignore_eos and token in self.eos_token_ids:
             return self._finish_with(FinishReason.STOP, token)
         if token in p.stop_token_ids:
             return self._finish_with(FinishReason.STOP, token)
         if p.stop and new_text and self._truncate_at_stop_string(len(new_text)):
             return True
-        if (len(self.output_token_ids) >= p.max_tokens
+        return self._check_length()
+
+    def _check_length(self) -> bool:
+        if (len(self.output_token_ids) >= self.params.max_tokens
                 or self.num_known_tokens >= self.max_model_len):
             return self._finish_with(FinishReason.LENGTH, None)
         return False

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched sampling: logit processing (engine.logits_processing: bias, min_tokens, penalties),
+greedy, temperature, top-k, top-p, per-request seeds, logprobs (of the unprocessed logits).
 
 Random rows use the exponential-race form of sampling (argmax of p / E with E ~ Exp(1)), which draws
 exactly from p. A seeded request draws E from its own generator, seeded by (seed, output index), so
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.device_tensors import to_device
+from engine.logits_processing import RowHistory, process_logits
 from engine.request import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -27,6 +29,10 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     output_indices: list[int]  # how many tokens each request has produced so far
+    # Per row, what logit processing needs (None where the row asks for none); absent: no row
+    # processes logits.
+    histories: list[RowHistory | None] | None = None
+    pending_tokens: torch.Tensor | None = None  # the device tokens RowHistory.pending_row indexes
 
     @property
     def all_greedy(self) -> bool:
@@ -63,11 +69,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
         """Sample on the device and start the copy the host will read; nothing waits here."""
-        greedy_tokens = logits.argmax(dim=-1)
+        processed = logits
+        if batch.histories is not None:
+            processed = process_logits(logits, batch.params, batch.output_indices,
+                                       batch.histories, batch.pending_tokens)
+        greedy_tokens = processed.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
-            tokens = self._sample_random(logits, batch, greedy_tokens)
+            tokens = self._sample_random(processed, batch, greedy_tokens)
         wanted = [p.logprobs for p in batch.params]
         packed = tokens if all(w is None for w in wanted) else \
             _with_logprobs(logits, tokens, wanted)

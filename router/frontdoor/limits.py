@@ -17,6 +17,7 @@ MAX_TEXT_BYTES = 2 * 1024 * 1024  # the same in UTF-8 bytes (binds for wide char
 MAX_CHAT_MESSAGES = 4096
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (no model has a longer context)
 MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS_TOKENS = 4096
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

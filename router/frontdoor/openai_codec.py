@@ -174,9 +174,23 @@ def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None
         options.max_tokens = 16  # OpenAI's default for completions
     if parsed.seed is not None:
         options.seed = parsed.seed % (1 << 64)  # int64 -> uint64, one to one
+    _logit_processing(parsed, options)
     if logprobs is not None:
         options.logprobs = logprobs
     return options
+
+
+def _logit_processing(parsed: CompletionRequest | ChatRequest,
+                      options: pb.SamplingOptions) -> None:
+    """Penalties, logit_bias and min_tokens: absent or null keeps each one off. Their limits are
+    checked once, with the gRPC API's (the wire's float32 carries the values)."""
+    options.presence_penalty = parsed.presence_penalty or 0.0
+    options.frequency_penalty = parsed.frequency_penalty or 0.0
+    if parsed.repetition_penalty is not None:
+        options.repetition_penalty = parsed.repetition_penalty
+    options.min_tokens = parsed.min_tokens or 0
+    for token, bias in (parsed.logit_bias or {}).items():
+        options.logit_bias[int(token)] = bias
 
 
 # ---- responses ----------------------------------------------------------------------------

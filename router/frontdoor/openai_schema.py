@@ -37,8 +37,7 @@ Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields this server cannot honour yet, with the value that means "not used".
-UNSUPPORTED = {"echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0,
-               "logit_bias": None, "suffix": None, "tools": None, "functions": None,
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None,
                "tool_choice": "none", "function_call": None}
 
 
@@ -60,6 +59,13 @@ class _Request(BaseModel):
     stop: Any = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # vLLM's extension
+    # OpenAI's shape: token ids as strings (JSON keys); its size and values are checked with
+    # the other sampling limits (router.frontdoor.limits)
+    logit_bias: dict[str, float] | None = None
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -73,6 +79,15 @@ class _Request(BaseModel):
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError("must be a non-empty string or a list of them")
         return [_utf8(s) for s in stops]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isascii() or not key.isdigit() or int(key) > UINT32_MAX:
+                raise ValueError(f"keys must be token ids (integers in [0, 2**32) written as "
+                                 f"strings), got {SHORT.repr(key)}")
+        return bias
 
     @field_validator("n")
     @classmethod

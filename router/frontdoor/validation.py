@@ -16,6 +16,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import (
     CHAT_ROLES,
     MAX_CHAT_MESSAGES,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -76,6 +77,8 @@ class Frontend:
         check_token_ids("sampling.stop_token_ids", len(params.stop_token_ids),
                         MAX_STOP_TOKEN_IDS)
         self._check_ids("sampling.stop_token_ids", params.stop_token_ids)
+        check_token_ids("sampling.logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS_TOKENS)
+        self._check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
         return params
 
     def _check_ids(self, field: str, token_ids: Sequence[int]) -> None:

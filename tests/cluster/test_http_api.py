@@ -253,3 +253,37 @@ def test_models_retrieve_developer_and_tool_roles_and_usage_on_every_chunk(clien
     assert all(c.usage is not None for c in chunks)
     completion = [c.usage.completion_tokens for c in chunks]
     assert completion == sorted(completion) and completion[-1] == 6
+
+
+def test_penalties_logit_bias_and_min_tokens_with_the_openai_client(client, model,
+                                                                     tiny_llama_dir):
+    """Prefilled remotely (the first token is sampled on the prefill worker, the rest on the
+    decode worker): the same tokens as the offline engine with the same parameters."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    llm = LLM(config=EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                  cache=CacheConfig(num_blocks=64)))
+    prompt = llm.tokenizer.encode(PROMPT)
+    # The bias makes token 17 the argmax; the penalties push it down as it repeats.
+    reply = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+        frequency_penalty=1.5, presence_penalty=0.5, logit_bias={"17": 13},
+        extra_body={"repetition_penalty": 1.2, "ignore_eos": True})
+    expected = llm.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5,
+        logit_bias={17: 13.0}, repetition_penalty=1.2, ignore_eos=True))[0]
+    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == 12
+    assert 0 < expected.token_ids.count(17) < 12
+    (eos,) = llm.engine.eos_token_ids
+    for min_tokens in (0, 4):  # EOS made the argmax: it ends the request after min_tokens
+        ended = client.completions.create(model=model, prompt=prompt, max_tokens=10,
+                                          temperature=0, logit_bias={str(eos): 100},
+                                          extra_body={"min_tokens": min_tokens})
+        assert ended.choices[0].finish_reason == "stop"
+        assert ended.usage.completion_tokens == min_tokens + 1
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="x", presence_penalty=2.5)
+    assert bad.value.body["message"] == "presence_penalty must be in [-2, 2], got 2.5"
+    assert bad.value.body["param"] == "presence_penalty"

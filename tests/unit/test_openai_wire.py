@@ -43,6 +43,19 @@ def test_defaults_follow_openai():
     assert chat.request.request_id.startswith("chatcmpl-")
 
 
+def test_penalties_logit_bias_and_min_tokens_reach_the_grpc_options():
+    s = parse({"model": MODEL, "prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
+               "repetition_penalty": 1.25, "min_tokens": 3, "logit_bias": {"7": -100, "12": 2.5}},
+              False, MODEL).request.sampling
+    assert (s.presence_penalty, s.frequency_penalty, s.min_tokens) == (0.5, -1.0, 3)
+    assert s.HasField("repetition_penalty") and s.repetition_penalty == 1.25
+    assert dict(s.logit_bias) == {7: -100.0, 12: 2.5}
+    off = parse({"model": MODEL, "prompt": "x", "presence_penalty": None, "logit_bias": None},
+                False, MODEL).request.sampling
+    assert not off.HasField("repetition_penalty") and not off.logit_bias
+    assert (off.presence_penalty, off.frequency_penalty, off.min_tokens) == (0, 0, 0)
+
+
 def test_chat_messages_text_parts_logprobs_and_stream_options():
     api = parse({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                  "messages": [{"role": "system", "content": "be brief"},
@@ -63,8 +76,13 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs", ">= 0, got -1"),
     ({"model": MODEL, "prompt": "x", "n": 2}, "n", "must be 1"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
-     "not supported"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of", "not supported"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias",
+     "keys must be token ids"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias.5", "a number"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens", ">= 0, got -1"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": float("inf")}, "presence_penalty",
+     "finite number"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "batches of more than one"),
     ({"model": MODEL, "prompt": [1, -2]}, "prompt", "outside the token ids [0, 2**32)"),
     ({"model": MODEL, "prompt": [[["x"]]]}, "prompt", "must be a string or a non-empty list"),

@@ -57,6 +57,39 @@ def test_grpc_and_http_share_the_limits(frontend, sampling, words):
     assert words in refusal(frontend, parse(body, False, MODEL).request)
 
 
+@pytest.mark.parametrize("sampling, words", [
+    ({"presence_penalty": 3.0}, "sampling.presence_penalty must be in [-2, 2], got 3"),
+    ({"frequency_penalty": -2.5}, "sampling.frequency_penalty must be in [-2, 2], got -2.5"),
+    ({"repetition_penalty": 0.0}, "sampling.repetition_penalty must be in (0, 2], got 0"),
+    ({"min_tokens": 17}, "sampling.min_tokens must be in [0, max_tokens=16], got 17"),
+    ({"logit_bias": {49152: 1.0}}, "sampling.logit_bias contains 49152, outside the vocabulary"),
+    ({"logit_bias": {5: 101.0}}, "sampling.logit_bias[5] must be in [-100, 100], got 101"),
+    ({"logit_bias": {i: 1.0 for i in range(4097)}}, "sampling.logit_bias holds 4097 token ids; "
+                                                     "the limit is 4096"),
+])
+def test_logit_processing_limits_on_both_front_doors(frontend, sampling, words):
+    assert words in refusal(frontend, grpc_request(max_tokens=16, **sampling))
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 16, **sampling}
+    if "logit_bias" in sampling:  # JSON keys are strings
+        body["logit_bias"] = {str(k): v for k, v in sampling["logit_bias"].items()}
+    assert words in refusal(frontend, parse(body, False, MODEL).request)
+
+
+def test_logit_processing_travels_to_the_workers_unchanged(frontend):
+    from common.convert import sampling_from_proto, sampling_to_proto
+
+    job = frontend.parse(grpc_request(max_tokens=9, presence_penalty=0.5, frequency_penalty=-1.0,
+                                      repetition_penalty=1.25, min_tokens=4,
+                                      logit_bias={3: -100.0, 9: 2.5}), 0.0)
+    p = job.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (
+        0.5, -1.0, 1.25, 4)
+    assert p.logit_bias == ((3, -100.0), (9, 2.5)) and p.processes_logits
+    assert sampling_from_proto(sampling_to_proto(p)) == p
+    plain = frontend.parse(grpc_request(max_tokens=9), 0.0).params
+    assert not plain.processes_logits and sampling_from_proto(sampling_to_proto(plain)) == plain
+
+
 def test_top_p_zero_is_greedy_on_both_front_doors(frontend):
     grpc_job = frontend.parse(grpc_request(temperature=1.0, top_p=0.0, seed=3), 0.0)
     http_job = frontend.parse(parse({"model": MODEL, "prompt": "hello", "temperature": 1,
