@@ -64,9 +64,16 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
         # The template already writes every special token, as transformers' apply_chat_template.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=add_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary's string for one id (e.g. "Ġthe"), as transformers'
+        convert_ids_to_tokens."""
+        return self.backend.id_to_token(token_id) or ""
 
     def text_stream(self, prompt_ids: list[int], skip_special_tokens: bool = True) -> TextStream:
         return TextStream(self.backend, prompt_ids, skip_special_tokens)

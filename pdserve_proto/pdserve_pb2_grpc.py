@@ -53,6 +53,16 @@ class GenerationStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.Generation/Tokenize',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.v1.Generation/Detokenize',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -84,6 +94,19 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The served model's tokenizer, as the router uses it (vLLM's /tokenize and /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +124,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetClusterStatus,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.ClusterStatusRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +221,60 @@ class Generation:
             '/pdserve.v1.Generation/GetClusterStatus',
             pdserve__proto_dot_pdserve__pb2.ClusterStatusRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Tokenize',
+            pdserve__proto_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Generation/Detokenize',
+            pdserve__proto_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -190,6 +191,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                 metrics_address=self.metrics_address,
                                 http_address=self.http_address)
 
+    def Tokenize(self, request: pb.TokenizeRequest | Unparsable, context: grpc.ServicerContext
+                 ) -> pb.TokenizeResponse:
+        return self._tokenizer_call(self.frontend.tokenize, request, context)
+
+    def Detokenize(self, request: pb.DetokenizeRequest | Unparsable,
+                   context: grpc.ServicerContext) -> pb.DetokenizeResponse:
+        return self._tokenizer_call(self.frontend.detokenize, request, context)
+
+    @staticmethod
+    def _tokenizer_call(call: Callable[[Any], Any], request: Any,
+                        context: grpc.ServicerContext) -> Any:
+        if isinstance(request, Unparsable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        try:
+            return call(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
 
 def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:
     """Like the generated `add_GenerationServicer_to_server`, but requests are deserialized
@@ -207,6 +226,12 @@ def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -
             servicer.GetClusterStatus,
             request_deserializer=pb.ClusterStatusRequest.FromString,
             response_serializer=pb.ClusterStatus.SerializeToString),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize, request_deserializer=lenient(pb.TokenizeRequest),
+            response_serializer=pb.TokenizeResponse.SerializeToString),
+        "Detokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Detokenize, request_deserializer=lenient(pb.DetokenizeRequest),
+            response_serializer=pb.DetokenizeResponse.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

@@ -1,6 +1,6 @@
 """The router's OpenAI-compatible HTTP front door (aiohttp), beside gRPC in the same process:
 `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream: true`),
-`GET /v1/models`, `GET /health`, `GET /metrics`.
+`GET /v1/models`, vLLM's `POST /tokenize` and `POST /detokenize`, `GET /health`, `GET /metrics`.
 
 Handlers only translate (router.frontdoor.openai_codec): each request runs through the same
 GenerationServicer.stream as a gRPC one — same admission queue, placement, limits and metrics —
@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -32,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role
 from router.frontdoor import openai_codec as wire
+from router.frontdoor import tokenize_api as tokens
 from router.frontdoor.grpc_api import GenerationServicer
 from router.frontdoor.request_log import RequestRecord
 from router.request.calls import CallScope, RouterError
@@ -70,6 +72,8 @@ class HttpApi:
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models),
                         web.get("/v1/models/{model_id:.+}", self.model),
+                        web.post("/tokenize", self.tokenize),
+                        web.post("/detokenize", self.detokenize),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -112,6 +116,27 @@ class HttpApi:
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.servicer.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize (router.frontdoor.tokenize_api); off the event loop, as a long
+        text takes a while to tokenize."""
+        call = tokens.tokenize_request(await _json(request))
+        reply = await self._tokenizer_call(self.frontend.tokenize, call)
+        return web.json_response(tokens.tokenize_json(reply, call.return_token_strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        call = tokens.detokenize_request(await _json(request))
+        reply = await self._tokenizer_call(self.frontend.detokenize, call, "tokens")
+        return web.json_response(tokens.detokenize_json(reply))
+
+    @staticmethod
+    async def _tokenizer_call(call: Callable[[Any], Any], request: Any,
+                              ids_field: str = "token_ids") -> Any:
+        try:
+            return await asyncio.to_thread(call, request)
+        except ValueError as exc:  # the message names the gRPC field; this API's is ids_field
+            message = str(exc).replace("token_ids", ids_field)
+            raise wire.ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, message) from None
 
     # ---- generation ------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -7,10 +7,11 @@ serves it.
 Fields: model, prompt (text, token ids, or a batch of one), messages (roles system, developer,
 user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
 temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy), top_k, seed
-(any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, n = 1, stream,
+(any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, presence_penalty,
+frequency_penalty, repetition_penalty, logit_bias, min_tokens, n = 1, stream,
 stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
-(n > 1, echo, best_of, penalties, logit_bias, tools, suffix, a response_format other than text)
-is refused with 400 naming it.
+(n > 1, echo, best_of, tools, suffix, a response_format other than text) is refused with 400
+naming it.
 """
 
 from __future__ import annotations

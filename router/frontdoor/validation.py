@@ -1,5 +1,6 @@
-"""Parse and validate a public GenerateRequest into a Job (tokenized, sampling validated).
-Every error is a ValueError whose message names the field and its limit."""
+"""Parse and validate a public GenerateRequest into a Job (tokenized, sampling validated), and
+answer Tokenize / Detokenize with the same tokenizer, chat rendering and limits. Every error
+is a ValueError whose message names the field and its limit."""
 
 from __future__ import annotations
 
@@ -48,9 +49,7 @@ class Frontend:
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id is {len(request.request_id)} chars; the limit is "
                              f"{MAX_REQUEST_ID_CHARS}")
-        if request.model and request.model != self.model_name:
-            raise ValueError(f"model {request.model!r} is not served here; this cluster serves "
-                             f"{self.model_name!r}")
+        self._check_model(request.model)
         params = self._sampling(request.sampling)
         token_ids = self._tokens(request)  # after every check that needs no tokenizer
         self._check_ids("prompt_token_ids", token_ids)
@@ -63,6 +62,38 @@ class Frontend:
                              f" = {total} exceeds the model context of {limit} tokens")
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         return Job(rid, f"{rid}#{uuid.uuid4().hex[:8]}", token_ids, params, arrival)
+
+    def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """The Tokenize call: the same limits and chat rendering as a generation's prompt."""
+        self._check_model(request.model)
+        kind = request.WhichOneof("input")
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        if kind == "prompt":
+            check_text("prompt", len(request.prompt), len(request.prompt.encode()))
+            ids = self.tokenizer.encode(request.prompt, special is not False)
+        elif kind == "chat":
+            generation = (request.add_generation_prompt
+                          if request.HasField("add_generation_prompt") else True)
+            ids = self._chat(request.chat, generation, special is True)
+        else:
+            raise ValueError("one of prompt or chat must be set")
+        reply = pb.TokenizeResponse(token_ids=ids, count=len(ids),
+                                    max_model_len=self.model_config.max_position_embeddings)
+        if request.return_token_strs:
+            reply.token_strs.extend(self.tokenizer.id_to_token(t) for t in ids)
+        return reply
+
+    def detokenize(self, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        self._check_model(request.model)
+        check_token_ids("token_ids", len(request.token_ids), MAX_PROMPT_TOKEN_IDS)
+        self._check_ids("token_ids", request.token_ids)
+        text = self.tokenizer.decode(list(request.token_ids), skip_special_tokens=False)
+        return pb.DetokenizeResponse(text=text)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise ValueError(f"model {model!r} is not served here; this cluster serves "
+                             f"{self.model_name!r}")
 
     def _sampling(self, options: pb.SamplingOptions) -> SamplingParams:
         try:
@@ -106,7 +137,8 @@ class Frontend:
             raise ValueError(f"{kind} must not be empty (0 tokens)")
         return ids
 
-    def _chat(self, chat: pb.ChatMessages) -> list[int]:
+    def _chat(self, chat: pb.ChatMessages, add_generation_prompt: bool = True,
+              add_special_tokens: bool = False) -> list[int]:
         if not chat.messages:
             raise ValueError("chat.messages must hold at least one message")
         if len(chat.messages) > MAX_CHAT_MESSAGES:
@@ -117,7 +149,8 @@ class Frontend:
                    sum(len(t.encode()) for t in texts))
         try:
             return self.tokenizer.encode_chat([_message(i, m)
-                                               for i, m in enumerate(chat.messages)])
+                                               for i, m in enumerate(chat.messages)],
+                                              add_generation_prompt, add_special_tokens)
         except ChatTemplateError as exc:
             raise ValueError(f"chat: {exc}") from exc
 

@@ -10,6 +10,7 @@ import http.client
 import json
 import time
 
+import grpc
 import openai
 import pytest
 
@@ -287,3 +288,30 @@ def test_penalties_logit_bias_and_min_tokens_with_the_openai_client(client, mode
         client.completions.create(model=model, prompt="x", presence_penalty=2.5)
     assert bad.value.body["message"] == "presence_penalty must be in [-2, 2], got 2.5"
     assert bad.value.body["param"] == "presence_penalty"
+
+
+def test_tokenize_and_detokenize_over_http_and_grpc(cluster, http_address, model):
+    conn, reply = raw(http_address, "/tokenize", {"model": model, "prompt": PROMPT,
+                                                  "return_token_strs": True})
+    body = json.loads(reply.read())
+    conn.close()
+    assert reply.status == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"])
+    completion = grpc_complete(cluster, pb.GenerateRequest(
+        prompt=PROMPT, sampling=pb.SamplingOptions(max_tokens=1, temperature=0)))
+    assert completion.usage.prompt_tokens == body["count"]
+    conn, reply = raw(http_address, "/detokenize", {"tokens": body["tokens"]})
+    assert reply.status == 200 and json.loads(reply.read())["prompt"] == PROMPT
+    conn.close()
+    conn, reply = raw(http_address, "/detokenize", {"tokens": [10**9]})
+    error = json.loads(reply.read())["error"]
+    conn.close()
+    assert reply.status == 400 and error["param"] == "tokens" and "vocabulary" in error["message"]
+    with channel(cluster.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        chat = stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="Hi")])), timeout=30)
+        assert stub.Detokenize(pb.DetokenizeRequest(token_ids=chat.token_ids), timeout=30).text
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Tokenize(pb.TokenizeRequest(), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "one of prompt or chat" in bad.value.details()
