@@ -46,6 +46,8 @@ def sampling_from_proto(options: Any) -> SamplingParams:
                             else 1.0),
         frequency_penalty=options.frequency_penalty,
         presence_penalty=options.presence_penalty,
+        prompt_logprobs=(options.prompt_logprobs if options.HasField("prompt_logprobs")
+                         else None),
     )
     return dataclasses.replace(params, temperature=0.0) if top_p == 0.0 else params
 
@@ -63,7 +65,20 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         options.seed = params.seed
     if params.logprobs is not None:
         options.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        options.prompt_logprobs = params.prompt_logprobs
     return options
+
+
+def prompt_logprobs_to_proto(prompt_token_ids: list[int],
+                             entries: list[dict[int, float] | None] | None
+                             ) -> list[pb.TokenLogprob]:
+    """A request's prompt logprobs as the wire carries them: one per prompt token after the
+    first (the first has none). Empty when none were computed."""
+    if not entries or any(e is None for e in entries[1:]):
+        return []
+    return [logprob_to_proto(t, e) for t, e in zip(prompt_token_ids[1:], entries[1:])
+            if e is not None]
 
 
 def logprob_to_proto(token_id: int, logprobs: dict[int, float]) -> pb.TokenLogprob:

@@ -10,6 +10,7 @@ from common.convert import (
     finish_reason_to_proto,
     logprob_from_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     stop_reason_to_proto,
 )
@@ -88,6 +89,9 @@ def _chunk(output: RequestOutput) -> pb.TokenChunk:
         chunk.cached_tokens = output.num_cached_tokens
         chunk.queue_s = output.queue_s or 0.0
         chunk.prefill_s = (output.ttft_s or 0.0) - chunk.queue_s
+        # computed here only for a whole generation (an admitted one's came from its prefill)
+        chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_token_ids,
+                                                              output.prompt_logprobs))
     if output.logprobs is not None:
         offset = len(output.token_ids) - len(output.new_token_ids)
         chunk.logprobs.extend(logprob_to_proto(t, output.logprobs[offset + i])

@@ -30,6 +30,9 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # params.prompt_logprobs set: per prompt position, its token's logprobs given the tokens
+    # before it (None at position 0); the request's own list, complete from the first token on
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # arrival → first token
     latency_s: float | None = None  # arrival → finish
@@ -180,7 +183,8 @@ class LLMEngine:
             return []
         _note_first_scheduled(out)
         result = self.runner.execute(out)
-        updates = self.scheduler.update(out, result.sampled, result.logprobs)
+        updates = self.scheduler.update(out, result.sampled, result.logprobs,
+                                        prompt_logprobs=result.prompt_logprobs)
         return [self._from_update(u) for u in updates]
 
     def _step_async(self) -> list[RequestOutput]:
@@ -206,7 +210,8 @@ class LLMEngine:
             raise
         self.scheduler.release_held()  # step N is done: nothing writes their blocks any more
         updates = self.scheduler.update(previous[0], result.sampled, result.logprobs,
-                                        computed_at_launch=True)
+                                        computed_at_launch=True,
+                                        prompt_logprobs=result.prompt_logprobs)
         return [self._from_update(u) for u in updates]
 
     def _from_update(self, update: RequestUpdate) -> RequestOutput:
@@ -228,6 +233,8 @@ class LLMEngine:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=(request.prompt_logprobs or [None] * request.num_prompt_tokens)
+            if request.params.prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
             ttft_s=None if first is None else first - request.arrival_time,
             latency_s=now - request.arrival_time if request.is_finished else None,

@@ -71,7 +71,8 @@ def activation_reserve_bytes(model: ModelConfig, max_num_batched_tokens: int, ma
     sampler's fp32 temporaries (softmax, noise, sorted values with int64 indices, masks, scatter)
     come to about dtype + 32 bytes per vocabulary entry; logit processing (penalties: the
     processed copy, token counts for output and prompt, masks, the penalized rows' temporaries)
-    adds up to 32 more.
+    adds up to 32 more. Not counted: a prompt whose logprobs are asked for adds up to
+    engine.scheduler.PROMPT_LOGPROBS_CHUNK rows of fp32 logits and their log-softmax.
     """
     attention = ((model.num_heads + 2 * model.num_kv_heads) * model.head_dim
                  + 4 * model.num_heads * model.head_dim)

@@ -19,6 +19,7 @@ from engine.loader import load_weights
 from engine.logits_processing import RowHistory, stop_ids_for_min_tokens
 from engine.models.elementwise import select_elementwise
 from engine.models.llama import LlamaModel
+from engine.prompt_logprobs import DevicePromptLogprobs, prompt_logprobs
 from engine.request import Request
 from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -40,6 +41,8 @@ class PreparedStep:
     # there (penalties count a request's pending token too).
     previous_tokens: torch.Tensor | None = None
     previous_rows: dict[str, int] | None = None
+    # Prompt logprobs: rows after the sampling rows in logits_rows (engine.step_inputs)
+    prompt: HostBatch | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class LaunchedStep:
 
     step: PreparedStep
     samples: DeviceSamples | None  # None when no request samples this step
+    prompt_logprobs: DevicePromptLogprobs | None = None
     # CUDA: recorded after the step's last kernel. `collect` waits on it even when nothing is
     # sampled (a prompt chunk): blocks freed after `collect` must not still be written.
     done: torch.cuda.Event | None = None
@@ -62,6 +66,8 @@ class LaunchedStep:
 class StepResult:
     sampled: list[int | None]  # one per scheduled request, in SchedulerOutput order
     logprobs: list[dict[int, float] | None]
+    # per scheduled request: its chunk's prompt logprobs (Scheduler.update), where asked for
+    prompt_logprobs: list[list[dict[int, float]] | None] | None = None
 
 
 class ModelRunner:
@@ -154,12 +160,12 @@ class ModelRunner:
         return self._launched(step)
 
     def _launched(self, step: PreparedStep) -> LaunchedStep:
-        samples = self._forward_and_sample(step)
+        samples, prompt = self._forward_and_sample(step)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
-        return LaunchedStep(step, samples, done)
+        return LaunchedStep(step, samples, prompt, done)
 
     def wait_idle(self) -> None:
         """Wait until every step queued on the device has run (best effort: after a failure)."""
@@ -182,7 +188,13 @@ class ModelRunner:
             if item.samples:
                 sampled[pos], lps[pos] = tokens[k], logprobs[k]
                 k += 1
-        return StepResult(sampled, lps)
+        prompt_lps: list[list[dict[int, float]] | None] | None = None
+        if launched.prompt_logprobs is not None:
+            per_item = launched.prompt_logprobs.read()
+            prompt_lps = [None] * len(step.items)
+            for pos, entries in zip(step.order, per_item):
+                prompt_lps[pos] = entries
+        return StepResult(sampled, lps, prompt_lps)
 
     def prepare_inputs(self, out: SchedulerOutput, previous: LaunchedStep | None = None
                        ) -> PreparedStep:
@@ -191,7 +203,7 @@ class ModelRunner:
         order = sorted(range(len(out.scheduled)), key=lambda i: out.scheduled[i].num_tokens != 1)
         items = [out.scheduled[i] for i in order]
         batch = host_batch(items, self.block_size)
-        rows = to_device(batch.logits_rows, torch.int64, self.device)
+        rows = to_device(batch.logits_rows + batch.prompt_rows, torch.int64, self.device)
         bucket = self._graph_bucket(batch)
         prev_tokens = previous.samples.tokens if previous and previous.samples else None
         prev_rows = previous.sample_rows() if prev_tokens is not None else None
@@ -206,7 +218,7 @@ class ModelRunner:
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
         return PreparedStep(order, items, input_ids, positions, md, rows, None, prev_tokens,
-                            prev_rows)
+                            prev_rows, batch if batch.prompt_rows else None)
 
     def _fill_pending(self, input_ids: torch.Tensor, batch: HostBatch,
                       previous: LaunchedStep | None) -> None:
@@ -231,19 +243,26 @@ class ModelRunner:
         """The forward pass and sampling; results in SchedulerOutput order."""
         return self.collect(self._launched(step))
 
-    def _forward_and_sample(self, step: PreparedStep) -> DeviceSamples | None:
+    def _forward_and_sample(self, step: PreparedStep
+                            ) -> tuple[DeviceSamples | None, DevicePromptLogprobs | None]:
         if step.graph_bucket is not None:
             logits = self.graphs.replay(step.graph_bucket)[step.logits_rows]
         else:
             logits = self.model.forward(step.input_ids, step.positions, self.kv_caches,
                                         step.metadata, self.attention, step.logits_rows)
         sampling_items = [s for s in step.items if s.samples]
+        prompt = None
+        if step.prompt is not None:  # its rows follow the sampling rows
+            batch = step.prompt
+            prompt = prompt_logprobs(logits[len(sampling_items):], batch.prompt_targets,
+                                     batch.prompt_counts,
+                                     [s.request.params.prompt_logprobs or 0 for s in step.items])
         if not sampling_items:
-            return None
+            return None, prompt
         requests = [s.request for s in sampling_items]
         batch = SamplingBatch([r.params for r in requests], [r.num_output_tokens for r in requests],
                               [self._history(r, step) for r in requests], step.previous_tokens)
-        return self.sampler.sample(logits, batch)
+        return self.sampler.sample(logits[:len(sampling_items)], batch), prompt
 
     @staticmethod
     def _history(request: Request, step: PreparedStep) -> RowHistory | None:

@@ -39,6 +39,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # None: none; k: each prompt token's logprob given the tokens before it, plus the top k
+    # (computed by the worker that computes the prompt; such a prompt skips the prefix cache,
+    # whose positions have no logits)
+    prompt_logprobs: int | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs
@@ -66,12 +70,12 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not (0 <= self.seed < 2**64):
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not (0 <= self.logprobs <= self.MAX_LOGPROBS):
-                raise ValueError(
-                    f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not (0 <= value <= self.MAX_LOGPROBS):
+                    raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
@@ -167,6 +171,9 @@ class Request:
     # the next step is scheduled before they are read; its inputs take them on the device).
     num_pending: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    # params.prompt_logprobs set: position p's entry is prompt token p's logprobs given the tokens
+    # before it (position 0 has none); filled as the prompt's chunks compute
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # its first step began (the end of its queueing)

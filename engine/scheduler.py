@@ -18,6 +18,10 @@ from engine.config import SchedulerConfig
 from engine.queue_order import running_order, waiting_order
 from engine.request import FinishReason, Request, RequestStatus
 
+# A prompt whose logprobs are asked for gets at most this many positions a step: each is a row
+# of fp32 logits over the vocabulary (512 x 152k x 4 bytes = 311 MB for a Qwen-sized vocabulary).
+PROMPT_LOGPROBS_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:
@@ -138,8 +142,11 @@ class Scheduler:
             self._schedule_running(out, later, budget)
         return out
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        return min(remaining, budget, self.config.chunk_limit)
+    def _chunk(self, request: Request, remaining: int, budget: int) -> int:
+        limit = self.config.chunk_limit
+        if request.params.prompt_logprobs is not None:  # every position of it has logits
+            limit = min(limit, PROMPT_LOGPROBS_CHUNK)
+        return min(remaining, budget, limit)
 
     def _schedule_running(self, out: SchedulerOutput, requests: list[Request],
                           budget: int) -> int:
@@ -148,7 +155,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this pass
                 continue
-            num = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            num = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             if num <= 0:
                 continue
             fits, refund = self._make_room(out, request, num)
@@ -190,9 +197,13 @@ class Scheduler:
         for request in waiting_order(self.waiting, self.config, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            hits = bm.find_cached_prefix(request) if not request.block_ids else []
+            # A prompt whose logprobs are asked for computes every position: cached ones have
+            # no logits (vLLM skips the cache for them too).
+            hits = (bm.find_cached_prefix(request)
+                    if not request.block_ids and request.params.prompt_logprobs is None else [])
             num_hit = len(hits) * bm.block_size
-            num = self._chunk(request.num_tokens - request.num_computed_tokens - num_hit, budget)
+            num = self._chunk(request, request.num_tokens - request.num_computed_tokens - num_hit,
+                              budget)
             # Head of line: never skip past a request that does not fit, so big ones cannot
             # starve by being passed over forever.
             if not bm.allocate_slots(request, num, hits):
@@ -251,16 +262,21 @@ class Scheduler:
         sampled: Sequence[int | None],
         logprobs: Sequence[dict[int, float] | None] | None = None,
         computed_at_launch: bool = False,
+        prompt_logprobs: Sequence[list[dict[int, float]] | None] | None = None,
     ) -> list[RequestUpdate]:
         """Advance each scheduled request by its step; `sampled[i]` is the token drawn for
-        `out.scheduled[i]` (None where that step did not reach the last token). Finished requests
-        free their blocks here, in the same step. With `computed_at_launch` (async scheduling),
-        `mark_launched` already advanced the positions, possibly past this step's."""
+        `out.scheduled[i]` (None where that step did not reach the last token), and
+        `prompt_logprobs[i]` the logprobs of the prompt tokens after its chunk's positions (where
+        asked for). Finished requests free their blocks here, in the same step. With
+        `computed_at_launch` (async scheduling), `mark_launched` already advanced the positions,
+        possibly past this step's."""
         updates: list[RequestUpdate] = []
         for i, item in enumerate(out.scheduled):
             request = item.request
             if request.is_finished:  # aborted between schedule and update
                 continue
+            if prompt_logprobs and prompt_logprobs[i]:
+                _record_prompt_logprobs(request, item.start, prompt_logprobs[i])
             if not computed_at_launch:
                 request.num_computed_tokens = item.end
             token = sampled[i]
@@ -297,3 +313,12 @@ class Scheduler:
 
     def all_requests(self) -> Iterable[Request]:
         return self.requests.values()
+
+
+def _record_prompt_logprobs(request: Request, start: int,
+                            entries: list[dict[int, float]]) -> None:
+    """Row `start + j` of a chunk gives prompt token `start + j + 1`'s logprobs. A prompt
+    recomputed after preemption writes the same positions again."""
+    if not request.prompt_logprobs:
+        request.prompt_logprobs = [None] * request.num_prompt_tokens
+    request.prompt_logprobs[start + 1:start + 1 + len(entries)] = entries

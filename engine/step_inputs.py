@@ -30,6 +30,11 @@ class HostBatch:
     logits_rows: list[int] = field(default_factory=list)
     # (row in token_ids, request id) of tokens not read from the device yet
     pending: list[tuple[int, str]] = field(default_factory=list)
+    # Prompt logprobs: the rows whose logits give the next prompt token's logprobs, that token,
+    # and how many such rows each item has (in item order)
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_counts: list[int] = field(default_factory=list)
 
 
 def host_batch(items: list[ScheduledRequest], block_size: int) -> HostBatch:
@@ -51,7 +56,19 @@ def host_batch(items: list[ScheduledRequest], block_size: int) -> HostBatch:
         batch.block_tables.append(blocks[: -(-item.end // bs)])
         if item.samples:
             batch.logits_rows.append(len(batch.token_ids) - 1)
+        _add_prompt_rows(batch, item, len(batch.token_ids) - item.num_tokens)
     return batch
+
+
+def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -> None:
+    """Rows at prompt positions p < prompt length - 1 predict prompt token p + 1."""
+    request = item.request
+    end = min(item.end, request.num_prompt_tokens - 1)
+    count = max(0, end - item.start) if request.params.prompt_logprobs is not None else 0
+    batch.prompt_counts.append(count)
+    if count:
+        batch.prompt_rows.extend(range(first_row, first_row + count))
+        batch.prompt_targets.extend(request.prompt_token_ids[item.start + 1:end + 1])
 
 
 def batch_tensors(batch: HostBatch, device: torch.device

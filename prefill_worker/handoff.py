@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_transfer import TransferStats
 
@@ -17,3 +17,6 @@ class PrefillResult:
     queue_s: float  # arrival here -> the prompt's first step
     prefill_s: float  # the prompt's first step -> its first token
     transfer: TransferStats | None
+    # sampling.prompt_logprobs set: the prompt and, per position, its token's logprobs
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -7,6 +7,7 @@ import grpc
 from common.convert import (
     finish_reason_to_proto,
     logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
     stop_reason_to_proto,
 )
@@ -71,6 +72,8 @@ def _response(result: PrefillResult) -> pb.PrefillResponse:
                                   queue_s=result.queue_s)
     if result.logprobs is not None:
         response.first_logprob.CopyFrom(logprob_to_proto(result.first_token, result.logprobs))
+    response.prompt_logprobs.extend(prompt_logprobs_to_proto(result.prompt_token_ids,
+                                                             result.prompt_logprobs))
     if result.transfer is not None:
         response.kv_transfer_s = result.transfer.seconds
         response.kv_transfer_bytes = result.transfer.num_bytes

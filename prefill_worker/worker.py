@@ -141,7 +141,8 @@ class PrefillWorker:
             cached_tokens=first.num_cached_tokens,
             queue_s=first.queue_s or 0.0,
             prefill_s=(first.ttft_s or 0.0) - (first.queue_s or 0.0),
-            transfer=stats)
+            transfer=stats, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Drop a queued or computing request (its blocks are freed); a request waiting to ship

@@ -128,7 +128,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 record.completion_tokens = completion_tokens
                 yield pb.GenerateResponse(request_id=job.request_id, token_ids=event.token_ids,
                                           text=text.add(event.token_ids),
-                                          logprobs=event.logprobs)
+                                          logprobs=event.logprobs,
+                                          prompt_logprobs=event.prompt_logprobs)
             else:
                 self.metrics.e2e.observe(now - job.arrival)
                 last = self._last(job, event, text, completion_tokens, first_token_time)
@@ -162,6 +163,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reply.token_ids.extend(part.token_ids)
             reply.text += part.text
             reply.logprobs.extend(part.logprobs)
+            reply.prompt_logprobs.extend(part.prompt_logprobs)
             if part.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 reply.finish_reason = part.finish_reason
                 reply.stop_reason = part.stop_reason

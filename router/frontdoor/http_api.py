@@ -20,7 +20,7 @@ import ssl
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -174,13 +174,22 @@ class HttpApi:
         def done() -> None:  # the outcome is known: count it before the client reads the end
             self.servicer.requests.finish(record, scope.expired())
 
+        echo = Echo(api, first.prompt_token_ids, self._echo_text(api, first.prompt_token_ids))
         if not api.stream:  # a status sent early could not report a failure: it waits
-            return await self._json_reply(api, responses, done)
+            return await self._json_reply(api, responses, done, echo)
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(http)  # accepted: the status and headers go now, not at TTFT
         http[STREAMING] = True  # from here on an error is an SSE event, not a status
-        return await self._sse(reply, api, SseUsage(first.prompt_tokens), responses, done)
+        return await self._sse(reply, api, SseUsage(len(first.prompt_token_ids)), responses,
+                               done, echo)
+
+    def _echo_text(self, api: wire.ApiRequest, prompt_token_ids: list[int]) -> str:
+        if not api.echo:
+            return ""
+        if api.request.WhichOneof("input") == "prompt":
+            return api.request.prompt
+        return self.frontend.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
 
     async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
                    rest_of_context: bool) -> AsyncIterator[Accepted | pb.GenerateResponse
@@ -195,7 +204,7 @@ class HttpApi:
 
         def drive() -> None:
             try:
-                accepted = lambda job: put(Accepted(len(job.token_ids)))  # noqa: E731
+                accepted = lambda job: put(Accepted(job.token_ids))  # noqa: E731
                 for response in self.servicer.stream(request, scope, record, accepted,
                                                      rest_of_context=rest_of_context):
                     put(response)
@@ -215,7 +224,7 @@ class HttpApi:
                 return
 
     async def _json_reply(self, api: wire.ApiRequest, responses: AsyncIterator,
-                          done: Callable[[], None]) -> web.Response:
+                          done: Callable[[], None], echo: Echo) -> web.Response:
         parts = []
         async for item in responses:
             if isinstance(item, RouterError):
@@ -224,10 +233,12 @@ class HttpApi:
             parts.append(item)
         done()
         last = parts[-1]
-        text = "".join(p.text for p in parts)
+        text = echo.text + "".join(p.text for p in parts)
         logprobs = [lp for p in parts for lp in p.logprobs]
         choice = {"index": 0, "finish_reason": wire.FINISH.get(last.finish_reason),
-                  "logprobs": wire.logprobs_json(api, logprobs, self._token_text)}
+                  "logprobs": wire.logprobs_json(api, logprobs, self._token_text, 0,
+                                                 echo.prompt_token_ids,
+                                                 list(parts[0].prompt_logprobs))}
         if api.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -237,7 +248,8 @@ class HttpApi:
         return web.json_response(body)
 
     async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
-                   responses: AsyncIterator, done: Callable[[], None]) -> web.StreamResponse:
+                   responses: AsyncIterator, done: Callable[[], None], echo: Echo
+                   ) -> web.StreamResponse:
         if api.chat:
             extra = {"usage": usage.so_far()} if api.continuous_usage else {}
             await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}},
@@ -250,9 +262,10 @@ class HttpApi:
                 await _event(reply, error.body())
                 break
             usage.completion_tokens += len(item.token_ids)
+            echoed, echo = echo, Echo(api)  # the prompt goes out once, with the first part
             await self._send_part(reply, api, item, offset,
-                                  usage.so_far() if api.continuous_usage else None)
-            offset += len(item.text)
+                                  usage.so_far() if api.continuous_usage else None, echoed)
+            offset += len(echoed.text) + len(item.text)
             if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 done()
                 if api.include_usage:
@@ -263,18 +276,22 @@ class HttpApi:
         return reply
 
     async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest,
-                         item: pb.GenerateResponse, offset: int, usage: dict | None) -> None:
+                         item: pb.GenerateResponse, offset: int, usage: dict | None,
+                         echo: Echo) -> None:
         finished = item.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        if not (item.text or item.logprobs or finished):
+        text = echo.text + item.text
+        if not (text or item.logprobs or echo.prompt_token_ids or finished):
             return  # a token that completes no character yet: nothing to say
         choice: dict = {"logprobs": wire.logprobs_json(api, list(item.logprobs),
-                                                       self._token_text, offset),
+                                                       self._token_text, offset,
+                                                       echo.prompt_token_ids,
+                                                       list(item.prompt_logprobs)),
                         "finish_reason": wire.FINISH.get(item.finish_reason) if finished
                         else None}
         if api.chat:
-            choice["delta"] = {"content": item.text} if item.text else {}
+            choice["delta"] = {"content": text} if text else {}
         else:
-            choice["text"] = item.text
+            choice["text"] = text
         extra: dict[str, object] = {"timings": wire.timings(item)} if finished else {}
         if usage is not None:
             extra["usage"] = usage
@@ -296,7 +313,21 @@ class HttpApi:
 class Accepted:
     """The request left the router's queue for a slot (its prompt is tokenized)."""
 
-    prompt_tokens: int
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What completions with `echo` put before the completion: the prompt's text, and its tokens
+    for the logprobs; empty without echo (and after the first part of a stream)."""
+
+    api: wire.ApiRequest
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.api.echo:
+            object.__setattr__(self, "prompt_token_ids", [])
 
 
 @dataclass

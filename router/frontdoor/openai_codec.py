@@ -8,10 +8,11 @@ Fields: model, prompt (text, token ids, or a batch of one), messages (roles syst
 user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
 temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy), top_k, seed
 (any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, presence_penalty,
-frequency_penalty, repetition_penalty, logit_bias, min_tokens, n = 1, stream,
+frequency_penalty, repetition_penalty, logit_bias, min_tokens, echo (completions: the prompt
+before the completion, with its logprobs when logprobs is set), n = 1, stream,
 stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
-(n > 1, echo, best_of, tools, suffix, a response_format other than text) is refused with 400
-naming it.
+(n > 1, echo on chat, best_of, tools, suffix, a response_format other than text) is refused
+with 400 naming it.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ApiRequest:
     logprobs: int | None  # None: no logprobs; k: the top k alternatives too
     max_tokens_given: bool
     continuous_usage: bool = False  # usage on every stream chunk
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
 
     @property
     def id_prefix(self) -> str:
@@ -141,9 +143,12 @@ def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
     if options is not None and not parsed.stream:
         raise bad("stream_options", "is only allowed with stream: true")
     include_usage = bool(options and options.include_usage)
+    echo = isinstance(parsed, CompletionRequest) and bool(parsed.echo)
+    if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
+        request.sampling.prompt_logprobs = logprobs
     return ApiRequest(chat, request, bool(parsed.stream), include_usage, logprobs,
                       request.sampling.HasField("max_tokens"),
-                      include_usage and bool(options and options.continuous_usage_stats))
+                      include_usage and bool(options and options.continuous_usage_stats), echo)
 
 
 def _logprobs(parsed: CompletionRequest | ChatRequest) -> int | None:
@@ -220,12 +225,17 @@ def envelope(api: ApiRequest, request_id: str, model: str, chunk: bool) -> dict:
 
 
 def logprobs_json(api: ApiRequest, items: list[pb.TokenLogprob],
-                  token_text: Callable[[int], str], offset: int = 0) -> dict | None:
+                  token_text: Callable[[int], str], offset: int = 0,
+                  echoed: list[int] | None = None,
+                  prompt_logprobs: list[pb.TokenLogprob] | None = None) -> dict | None:
     """OpenAI's logprobs object for these tokens (chat: `content`; completions: parallel
     lists), or None when none were asked for. A token's top alternatives are the k most likely,
-    the sampled one among them when it is."""
+    the sampled one among them when it is. `echoed`: completions with echo, the prompt's tokens
+    first (the first with a null logprob, the others with `prompt_logprobs`)."""
     if api.logprobs is None:
         return None
+    if echoed:
+        return _echoed_logprobs(api.logprobs, echoed, prompt_logprobs or [], items, token_text)
     tops = [_top(item, api.logprobs) for item in items]
     if api.chat:
         return {"content": [{
@@ -238,6 +248,23 @@ def logprobs_json(api: ApiRequest, items: list[pb.TokenLogprob],
     offsets = [offset + sum(len(t) for t in texts[:k]) for k in range(len(texts))]
     return {"tokens": texts, "token_logprobs": [i.logprob for i in items],
             "top_logprobs": [{token_text(t): lp for t, lp in top} for top in tops],
+            "text_offset": offsets}
+
+
+def _echoed_logprobs(k: int, prompt: list[int], prompt_logprobs: list[pb.TokenLogprob],
+                     items: list[pb.TokenLogprob], token_text: Callable[[int], str]) -> dict:
+    """Completions with echo: the prompt's tokens, then the completion's, as one set of lists
+    whose text offsets start at the prompt's first character."""
+    if len(prompt_logprobs) != len(prompt) - 1:
+        raise ValueError(f"{len(prompt_logprobs)} prompt logprobs for {len(prompt)} prompt "
+                         "tokens")
+    entries = [None, *prompt_logprobs, *items]
+    texts = [token_text(prompt[0])] + [token_text(e.token_id) for e in entries[1:]]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts,
+            "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {token_text(t): lp for t, lp in _top(e, k)}
+                             for e in entries],
             "text_offset": offsets}
 
 

@@ -120,6 +120,7 @@ class UnsupportedField(ValueError):
 
 class CompletionRequest(_Request):
     prompt: Any
+    echo: bool | None = None
     max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None
 

@@ -18,6 +18,8 @@ from router.request.calls import CallScope, RouterError, worker_error
 class Tokens:
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
+    # With the first token, when sampling.prompt_logprobs asked for them
+    prompt_logprobs: list[pb.TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -59,7 +61,10 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     join the prompt and count against max_tokens (greedy output is unchanged by the move)."""
     if attempt == 1:
         return job
-    params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(emitted))
+    # Tokens already streamed went out with the prompt's logprobs: the continuation's longer
+    # prompt needs none.
+    params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(emitted),
+                                 prompt_logprobs=None if emitted else job.params.prompt_logprobs)
     return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
                                token_ids=job.token_ids + emitted, params=params)
 
@@ -78,7 +83,8 @@ def decode_events(worker_id: str, call: Iterator[pb.TokenChunk], message: pb.Dec
                 end.note_first_chunk(chunk, whole=not message.HasField("first_token_id"))
                 first = False
             if chunk.token_ids:
-                yield Tokens(list(chunk.token_ids), list(chunk.logprobs))
+                yield Tokens(list(chunk.token_ids), list(chunk.logprobs),
+                             list(chunk.prompt_logprobs))
             if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 end.finish_reason, end.stop_reason = chunk.finish_reason, chunk.stop_reason
                 yield end

@@ -143,7 +143,8 @@ class Orchestrator:
             finally:
                 self.placement.release(charge)
             yield Tokens([first.first_token_id],
-                         [first.first_logprob] if first.HasField("first_logprob") else [])
+                         [first.first_logprob] if first.HasField("first_logprob") else [],
+                         list(first.prompt_logprobs))
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 done = True
                 self._abort_all(holders, part)  # free the reservation nobody will use

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from tests.cluster.cluster_helpers import (
     MAX_TOKENS,
     LoadWatcher,
@@ -131,10 +133,17 @@ def test_only_blocks_the_decode_worker_lacks_are_sent(cluster, prompts, referenc
     wait_blocks_free(cluster)
 
 
-def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference):
+def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference,
+                                              prompt_logprobs_reference):
     with start_cluster(tmp_path, prefill=0, decode=0, colocated=1, dtype="float32") as cluster:
         got = stream_all(cluster.address, prompts[:6], concurrency=6)
         assert got == reference[:6]
+        request = greedy_request(prompts[9], max_tokens=2)
+        request.sampling.prompt_logprobs = 2
+        with channel(cluster.address) as ch:
+            reply = pb_grpc.GenerationStub(ch).Complete(request, timeout=180)
+        assert_prompt_logprobs(list(reply.prompt_logprobs), prompts[9],
+                               prompt_logprobs_reference[9])
         status = cluster.status()
         assert [w.role for w in status.workers] == [3]  # WORKER_ROLE_COLOCATED
         assert wait_blocks_free(cluster)[0].free_blocks == status.workers[0].total_blocks
@@ -149,3 +158,40 @@ def test_a_short_prompt_is_prefilled_where_the_placement_mode_says(cluster, prom
     local = "off" not in cluster.spec.router_args
     assert last.timings.prefill_site == ("local" if local else "remote")
     assert (last.timings.kv_transfer_bytes == 0) == local
+
+
+@pytest.fixture(scope="module")
+def prompt_logprobs_reference(prompts) -> dict[int, list]:
+    """The offline engine's prompt logprobs (top 2) for a short prompt and a 600-token one."""
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    llm = LLM("default", dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    chosen = {9: prompts[9], 17: prompts[17][:600]}
+    outs = llm.generate(list(chosen.values()), params)
+    del llm
+    return {i: out.prompt_logprobs for i, out in zip(chosen, outs)}
+
+
+def assert_prompt_logprobs(got: list[pb.TokenLogprob], prompt: list[int], expected: list) -> None:
+    assert [e.token_id for e in got] == prompt[1:]
+    for entry, want in zip(got, expected[1:]):
+        have = {entry.token_id: entry.logprob, **dict(entry.top)}
+        assert have.keys() == want.keys()
+        assert all(abs(have[t] - want[t]) < 1e-3 for t in want)
+
+
+def test_prompt_logprobs_from_whichever_worker_computes_the_prompt(cluster, prompts,
+                                                                   prompt_logprobs_reference):
+    """Short prompts are prefilled locally where the placement mode allows, long ones remotely;
+    either way the prompt's logprobs arrive with the first token, as the offline engine's."""
+    for i, ids in ((9, prompts[9]), (17, prompts[17][:600])):
+        request = greedy_request(ids, max_tokens=2)
+        request.sampling.prompt_logprobs = 2
+        with channel(cluster.address, router_ca(cluster)) as ch:
+            parts = list(pb_grpc.GenerationStub(ch).Generate(request, timeout=180))
+        assert_prompt_logprobs(list(parts[0].prompt_logprobs), ids, prompt_logprobs_reference[i])
+        assert all(not p.prompt_logprobs for p in parts[1:])
+        assert parts[-1].usage.cached_tokens == 0  # computed, not served from a cache
+    wait_blocks_free(cluster)

@@ -315,3 +315,39 @@ def test_tokenize_and_detokenize_over_http_and_grpc(cluster, http_address, model
             stub.Tokenize(pb.TokenizeRequest(), timeout=30)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "one of prompt or chat" in bad.value.details()
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model, http_address,
+                                                                   tiny_llama_dir):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1), prefilled
+    remotely: the prompt's token logprobs are transformers' log-softmax over it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.tokenizer import Tokenizer
+
+    prompt = Tokenizer(tiny_llama_dir).encode(PROMPT)
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                      echo=True, logprobs=1)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for p in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[p] - expected[p - 1, prompt[p]].item()) < 1e-4
+        assert len(lp.top_logprobs[p]) <= 2
+    text = reply.choices[0].text
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0)
+    assert text.endswith(plain.choices[0].text) and len(text) > len(plain.choices[0].text)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                            temperature=0, echo=True, logprobs=0, stream=True))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.token_logprobs
+                                            if c.choices[0].logprobs else [])]
+    assert streamed[0] is None and len(streamed) == len(prompt) + 3
+    conn, bad = raw(http_address, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert bad.status == 400 and json.loads(bad.read())["error"]["param"] == "echo"
+    conn.close()

@@ -256,10 +256,10 @@ def test_cuda_budget_arithmetic():
 def test_activation_reserve_follows_tokens_and_model_shape():
     reserve = kv_sizing.activation_reserve_bytes
     # widest: MLP 4 x 128 = 512 vs attention (4 + 4) x 16 + 4 x 64 = 384; per token
-    # 2 x (3 x 64 + 512) + 8 x 64 = 1920 bytes, doubled; logits: min(512, 64) rows x 1000 x 34
-    assert reserve(MODEL, 512, 64, 2) == 2 * 512 * 1920 + 64 * 1000 * 34
+    # 2 x (3 x 64 + 512) + 8 x 64 = 1920 bytes, doubled; logits: min(512, 64) rows x 1000 x 66
+    assert reserve(MODEL, 512, 64, 2) == 2 * 512 * 1920 + 64 * 1000 * 66
     assert reserve(MODEL, 1024, 64, 2) > reserve(MODEL, 512, 64, 2)
-    assert reserve(MODEL, 16, 64, 4) == 2 * 16 * (4 * 704 + 512) + 16 * 1000 * 36
+    assert reserve(MODEL, 16, 64, 4) == 2 * 16 * (4 * 704 + 512) + 16 * 1000 * 68
 
 
 def fake_gpu(monkeypatch, free: int, total: int, reserved: int) -> None:

@@ -56,6 +56,15 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_grpc_options():
     assert (off.presence_penalty, off.frequency_penalty, off.min_tokens) == (0, 0, 0)
 
 
+def test_echo_asks_the_workers_for_prompt_logprobs_only_with_logprobs():
+    scored = parse({"model": MODEL, "prompt": [5, 6, 7], "echo": True, "logprobs": 1,
+                    "max_tokens": 1}, False, MODEL)
+    assert scored.echo and scored.request.sampling.prompt_logprobs == 1
+    text_only = parse({"model": MODEL, "prompt": "x", "echo": True}, False, MODEL)
+    assert text_only.echo and not text_only.request.sampling.HasField("prompt_logprobs")
+    assert not parse({"model": MODEL, "prompt": "x"}, False, MODEL).echo
+
+
 def test_chat_messages_text_parts_logprobs_and_stream_options():
     api = parse({"model": MODEL, "stream": True, "stream_options": {"include_usage": True},
                  "messages": [{"role": "system", "content": "be brief"},
@@ -75,7 +84,7 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs", ">= 0, got -1"),
     ({"model": MODEL, "prompt": "x", "n": 2}, "n", "must be 1"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias",
      "keys must be token ids"),
@@ -94,7 +103,7 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": [1] * 1_000_001}, "prompt", "the limit is 1000000"),
     ({"model": MODEL, "prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids",
      "at most 4096"),
-    ({"model": MODEL, "prompt": "x", "echo": ["a" * 10_000] * 1000}, "echo", "..."),
+    ({"model": MODEL, "prompt": "x", "echo": ["a" * 10_000] * 1000}, "echo", "got ["),
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop", "non-empty string"),
     ({"model": MODEL, "prompt": "\ud800"}, "prompt", "not valid UTF-8 text"),
     ({"model": MODEL, "prompt": "x", "stop": "a\udfff"}, "stop", "not valid UTF-8 text"),
