@@ -20,7 +20,7 @@ import ssl
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -34,6 +34,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role
 from router.frontdoor import openai_codec as wire
 from router.frontdoor import tokenize_api as tokens
+from router.frontdoor.choices import END, Choice, Echo, collect, merged, total_usage
 from router.frontdoor.grpc_api import GenerationServicer
 from router.frontdoor.request_log import RequestRecord
 from router.request.calls import CallScope, RouterError
@@ -154,42 +155,53 @@ class HttpApi:
             record.failed(wire.grpc_code(exc.status), exc.message)
             self.servicer.requests.finish(record)
             raise
+        # one record per choice: each is a generation of its own
+        records = [record] + [RequestRecord("http") for _ in api.all_choices[1:]]
         try:
-            return await self._answer(http, api, scope, record)
+            return await self._answer(http, api, scope, records)
         finally:
             # Finished, failed, or the client went away (CancelledError, ConnectionError): no
             # work of this request keeps running on the workers.
             scope.cancel()
-            self.servicer.requests.finish(record, scope.expired())
+            for each in records:
+                self.servicer.requests.finish(each, scope.expired())
 
     async def _answer(self, http: web.Request, api: wire.ApiRequest, scope: CallScope,
-                      record: RequestRecord) -> web.StreamResponse:
+                      records: list[RequestRecord]) -> web.StreamResponse:
         # Chat without a max: the rest of the context (what vLLM does).
         rest_of_context = api.chat and not api.max_tokens_given
-        responses = self._run(api.request, scope, record, rest_of_context)
-        first = await anext(responses)
-        if isinstance(first, RouterError):
-            return _error(wire.ApiError.from_status(first.code, first.message))
+        runs = [self._run(request, scope, record, rest_of_context)
+                for request, record in zip(api.all_choices, records)]
+        firsts = await asyncio.gather(*(anext(run) for run in runs))
+        failed = next((f for f in firsts if isinstance(f, RouterError)), None)
+        if failed is not None:
+            scope.cancel()  # the other choices end too
+            return _error(wire.ApiError.from_status(failed.code, failed.message))
+        choices = [Choice(i, run, first.prompt_token_ids,
+                          self._echo(api, request, first.prompt_token_ids), i % api.n == 0)
+                   for i, (run, first, request) in enumerate(zip(runs, firsts, api.all_choices))]
 
         def done() -> None:  # the outcome is known: count it before the client reads the end
-            self.servicer.requests.finish(record, scope.expired())
+            for record in records:
+                self.servicer.requests.finish(record, scope.expired())
 
-        echo = Echo(api, first.prompt_token_ids, self._echo_text(api, first.prompt_token_ids))
         if not api.stream:  # a status sent early could not report a failure: it waits
-            return await self._json_reply(api, responses, done, echo)
+            return await self._json_reply(api, choices, done)
         reply = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                             "Cache-Control": "no-cache"})
         await reply.prepare(http)  # accepted: the status and headers go now, not at TTFT
         http[STREAMING] = True  # from here on an error is an SSE event, not a status
-        return await self._sse(reply, api, SseUsage(len(first.prompt_token_ids)), responses,
-                               done, echo)
+        prompt_tokens = sum(len(c.prompt_token_ids) for c in choices if c.first_sample)
+        return await self._sse(reply, api, SseUsage(prompt_tokens), choices, done)
 
-    def _echo_text(self, api: wire.ApiRequest, prompt_token_ids: list[int]) -> str:
+    def _echo(self, api: wire.ApiRequest, request: pb.GenerateRequest,
+              prompt_token_ids: list[int]) -> Echo:
         if not api.echo:
-            return ""
-        if api.request.WhichOneof("input") == "prompt":
-            return api.request.prompt
-        return self.frontend.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+            return Echo()
+        if request.WhichOneof("input") == "prompt":
+            return Echo(prompt_token_ids, request.prompt)
+        return Echo(prompt_token_ids,
+                    self.frontend.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
 
     async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
                    rest_of_context: bool) -> AsyncIterator[Accepted | pb.GenerateResponse
@@ -223,66 +235,74 @@ class HttpApi:
             if isinstance(item, RouterError):
                 return
 
-    async def _json_reply(self, api: wire.ApiRequest, responses: AsyncIterator,
-                          done: Callable[[], None], echo: Echo) -> web.Response:
-        parts = []
-        async for item in responses:
-            if isinstance(item, RouterError):
-                done()
-                return _error(wire.ApiError.from_status(item.code, item.message))
-            parts.append(item)
+    async def _json_reply(self, api: wire.ApiRequest, choices: list[Choice],
+                          done: Callable[[], None]) -> web.Response:
+        failed = await collect(choices)
         done()
-        last = parts[-1]
-        text = echo.text + "".join(p.text for p in parts)
-        logprobs = [lp for p in parts for lp in p.logprobs]
-        choice = {"index": 0, "finish_reason": wire.FINISH.get(last.finish_reason),
-                  "logprobs": wire.logprobs_json(api, logprobs, self._token_text, 0,
-                                                 echo.prompt_token_ids,
-                                                 list(parts[0].prompt_logprobs))}
-        if api.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        if failed is not None:
+            return _error(wire.ApiError.from_status(failed.code, failed.message))
         body = wire.envelope(api, api.request.request_id, self.frontend.model_name, False)
-        body.update(choices=[choice], usage=wire.usage(last), timings=wire.timings(last))
+        body.update(choices=[self._whole_choice(api, c) for c in choices],
+                    usage=wire.usage(total_usage(choices)),
+                    timings=wire.timings(choices[0].parts[-1]))
         return web.json_response(body)
 
+    def _whole_choice(self, api: wire.ApiRequest, choice: Choice) -> dict:
+        parts = choice.parts
+        text = choice.echo.text + "".join(p.text for p in parts)
+        logprobs = [lp for p in parts for lp in p.logprobs]
+        body = {"index": choice.index,
+                "finish_reason": wire.FINISH.get(parts[-1].finish_reason),
+                "logprobs": wire.logprobs_json(api, logprobs, self._token_text, 0,
+                                               choice.echo.prompt_token_ids,
+                                               list(parts[0].prompt_logprobs))}
+        if api.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        return body
+
     async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
-                   responses: AsyncIterator, done: Callable[[], None], echo: Echo
-                   ) -> web.StreamResponse:
+                   choices: list[Choice], done: Callable[[], None]) -> web.StreamResponse:
         if api.chat:
             extra = {"usage": usage.so_far()} if api.continuous_usage else {}
-            await _event(reply, self._chunk(api, {"delta": {"role": "assistant", "content": ""}},
-                                            **extra))
-        offset = 0
-        async for item in responses:
+            for choice in choices:
+                await _event(reply, self._chunk(api, {
+                    "index": choice.index, "delta": {"role": "assistant", "content": ""}},
+                    **extra))
+        offsets = [0] * len(choices)
+        async for choice, item in merged(choices):
             if isinstance(item, RouterError):
                 done()
-                error = wire.ApiError.from_status(item.code, item.message)
-                await _event(reply, error.body())
+                await _event(reply, wire.ApiError.from_status(item.code, item.message).body())
                 break
+            if item is END:
+                continue
             usage.completion_tokens += len(item.token_ids)
-            echoed, echo = echo, Echo(api)  # the prompt goes out once, with the first part
-            await self._send_part(reply, api, item, offset,
-                                  usage.so_far() if api.continuous_usage else None, echoed)
-            offset += len(echoed.text) + len(item.text)
+            echo, choice.echo = choice.echo, Echo()  # the prompt goes out once, first
+            await self._send_part(reply, api, choice.index, item, offsets[choice.index],
+                                  usage.so_far() if api.continuous_usage else None, echo)
+            offsets[choice.index] += len(echo.text) + len(item.text)
             if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                done()
-                if api.include_usage:
-                    await _event(reply, self._chunk(api, None, usage=wire.usage(item)))
-                break
+                choice.parts.append(item)
+        else:
+            done()
+            if api.include_usage:
+                await _event(reply, self._chunk(api, None,
+                                                usage=wire.usage(total_usage(choices))))
         await reply.write(b"data: [DONE]\n\n")
         await reply.write_eof()
         return reply
 
-    async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest,
+    async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest, index: int,
                          item: pb.GenerateResponse, offset: int, usage: dict | None,
                          echo: Echo) -> None:
         finished = item.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         text = echo.text + item.text
         if not (text or item.logprobs or echo.prompt_token_ids or finished):
             return  # a token that completes no character yet: nothing to say
-        choice: dict = {"logprobs": wire.logprobs_json(api, list(item.logprobs),
+        choice: dict = {"index": index,
+                        "logprobs": wire.logprobs_json(api, list(item.logprobs),
                                                        self._token_text, offset,
                                                        echo.prompt_token_ids,
                                                        list(item.prompt_logprobs)),
@@ -299,7 +319,7 @@ class HttpApi:
 
     def _chunk(self, api: wire.ApiRequest, choice: dict | None, **extra: object) -> dict:
         body = wire.envelope(api, api.request.request_id, self.frontend.model_name, True)
-        body["choices"] = [] if choice is None else [{"index": 0, **choice}]
+        body["choices"] = [] if choice is None else [{"index": 0, **choice}]  # index: choice's
         if api.include_usage:
             body["usage"] = None
         body.update(extra)
@@ -314,20 +334,6 @@ class Accepted:
     """The request left the router's queue for a slot (its prompt is tokenized)."""
 
     prompt_token_ids: list[int]
-
-
-@dataclass(frozen=True)
-class Echo:
-    """What completions with `echo` put before the completion: the prompt's text, and its tokens
-    for the logprobs; empty without echo (and after the first part of a stream)."""
-
-    api: wire.ApiRequest
-    prompt_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.api.echo:
-            object.__setattr__(self, "prompt_token_ids", [])
 
 
 @dataclass

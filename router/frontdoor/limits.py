@@ -18,6 +18,7 @@ MAX_CHAT_MESSAGES = 4096
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (no model has a longer context)
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS_TOKENS = 4096
+MAX_CHOICES = 256  # completions per HTTP request: prompts in a batch x n
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -27,6 +27,7 @@ import grpc
 from pydantic import ValidationError
 
 from pdserve_proto import pdserve_pb2 as pb
+from router.frontdoor.limits import MAX_CHOICES
 from router.frontdoor.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -102,10 +103,18 @@ class ApiRequest:
     max_tokens_given: bool
     continuous_usage: bool = False  # usage on every stream chunk
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion's
+    # Every choice's own request, in choice order (a batch of prompts x n): `request` is the
+    # first; the others differ in prompt, request id and seed
+    choices: tuple[pb.GenerateRequest, ...] = ()
+    n: int = 1  # choices per prompt: choice i is sample i % n of prompt i // n
 
     @property
     def id_prefix(self) -> str:
         return "chatcmpl" if self.chat else "cmpl"
+
+    @property
+    def all_choices(self) -> tuple[pb.GenerateRequest, ...]:
+        return self.choices or (self.request,)
 
 
 def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
@@ -133,10 +142,6 @@ def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
             request.chat.messages.add(role=message.role, content=message.content,
                                       tool_call_id=message.tool_call_id or "",
                                       name=message.name or "")
-    elif isinstance(parsed.prompt, str):
-        request.prompt = parsed.prompt
-    else:
-        request.prompt_token_ids.ids.extend(parsed.prompt)
     logprobs = _logprobs(parsed)
     request.sampling.CopyFrom(_sampling(parsed, logprobs))
     options = parsed.stream_options
@@ -146,9 +151,35 @@ def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
     echo = isinstance(parsed, CompletionRequest) and bool(parsed.echo)
     if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
         request.sampling.prompt_logprobs = logprobs
-    return ApiRequest(chat, request, bool(parsed.stream), include_usage, logprobs,
+    prompts = parsed.prompt if isinstance(parsed, CompletionRequest) else [None]
+    choices = _choices(request, prompts, parsed.n or 1)
+    return ApiRequest(chat, choices[0], bool(parsed.stream), include_usage, logprobs,
                       request.sampling.HasField("max_tokens"),
-                      include_usage and bool(options and options.continuous_usage_stats), echo)
+                      include_usage and bool(options and options.continuous_usage_stats), echo,
+                      tuple(choices), parsed.n or 1)
+
+
+def _choices(base: pb.GenerateRequest, prompts: list[str | list[int] | None], n: int
+             ) -> list[pb.GenerateRequest]:
+    """One request per prompt and sample; sample j of a seeded request draws with seed + j."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad("n", f"x {len(prompts)} prompt(s) = {len(prompts) * n} choices; the limit is "
+                  f"{MAX_CHOICES}")
+    choices = []
+    for prompt in prompts:
+        for j in range(n):
+            choice = pb.GenerateRequest()
+            choice.CopyFrom(base)
+            if len(prompts) * n > 1:
+                choice.request_id = f"{base.request_id}-{len(choices)}"
+            if isinstance(prompt, str):
+                choice.prompt = prompt
+            elif prompt is not None:
+                choice.prompt_token_ids.ids.extend(prompt)
+            if j and base.sampling.HasField("seed"):
+                choice.sampling.seed = (base.sampling.seed + j) % (1 << 64)
+            choices.append(choice)
+    return choices
 
 
 def _logprobs(parsed: CompletionRequest | ChatRequest) -> int | None:
@@ -201,8 +232,7 @@ def _logit_processing(parsed: CompletionRequest | ChatRequest,
 
 # ---- responses ----------------------------------------------------------------------------
 
-def usage(last: pb.GenerateResponse) -> dict:
-    u = last.usage
+def usage(u: pb.Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

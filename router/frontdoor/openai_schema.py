@@ -12,7 +12,12 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.frontdoor.limits import MAX_LOGPROBS, MAX_PROMPT_TOKEN_IDS, MAX_STOP_TOKEN_IDS
+from router.frontdoor.limits import (
+    MAX_CHOICES,
+    MAX_LOGPROBS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 UINT32_MAX = (1 << 32) - 1
 INT32 = Field(ge=-(1 << 31), le=(1 << 31) - 1)
@@ -66,7 +71,7 @@ class _Request(BaseModel):
     # OpenAI's shape: token ids as strings (JSON keys); its size and values are checked with
     # the other sampling limits (router.frontdoor.limits)
     logit_bias: dict[str, float] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     response_format: dict[str, Any] | None = None
@@ -88,13 +93,6 @@ class _Request(BaseModel):
                 raise ValueError(f"keys must be token ids (integers in [0, 2**32) written as "
                                  f"strings), got {SHORT.repr(key)}")
         return bias
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError(f"must be 1 (one choice per request), got {n!r}")
-        return n
 
     @field_validator("response_format")
     @classmethod
@@ -126,15 +124,26 @@ class CompletionRequest(_Request):
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, prompt: Any) -> str | list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """A batch: every prompt, each a string or a list of token ids (one prompt is a batch
+        of one)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list))
+                                                       for p in prompt):
+            if len(prompt) > MAX_CHOICES:
+                raise ValueError(f"holds {len(prompt)} prompts; the limit is {MAX_CHOICES}")
+            prompts = []
+            for i, one in enumerate(prompt):
+                try:
+                    prompts.append(cls._one(one))
+                except ValueError as exc:
+                    raise ValueError(f"[{i}] {exc}") from None
+            return prompts
+        return [cls._one(prompt)]
+
+    @staticmethod
+    def _one(prompt: Any) -> str | list[int]:
         if isinstance(prompt, str):
             return _utf8(prompt)
-        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
-                                                                for p in prompt):
-            raise ValueError(f"holds {len(prompt)} prompts; batches of more than one are not "
-                             "supported (send one request per prompt)")
         if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:
             raise ValueError(f"holds {len(prompt)} token ids; the limit is "
                              f"{MAX_PROMPT_TOKEN_IDS}")

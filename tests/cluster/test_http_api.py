@@ -351,3 +351,38 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model
         "model": model, "messages": [{"role": "user", "content": "x"}], "echo": True})
     assert bad.status == 400 and json.loads(bad.read())["error"]["param"] == "echo"
     conn.close()
+
+
+def test_batches_of_prompts_and_n_samples_with_the_openai_client(client, model, tiny_llama_dir):
+    """Each prompt of a batch and each of n samples is a choice of its own, answered in order
+    (index = prompt x n + sample), streamed interleaved with its index; the usage counts each
+    prompt once. (This cluster runs 2 requests at once and queues none: 2 choices at most.)"""
+    from engine.tokenizer import Tokenizer
+
+    single = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0)
+              for p in (PROMPT, "Hello world")]
+    batch = client.completions.create(model=model, prompt=[PROMPT, "Hello world"], max_tokens=5,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in single]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    ids = Tokenizer(tiny_llama_dir).encode("Hello world")
+    by_ids = client.completions.create(model=model, prompt=[ids, ids[:2]], max_tokens=5,
+                                       temperature=0)
+    assert by_ids.choices[0].text == single[1].choices[0].text
+    seeded = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, seed=5,
+                                       temperature=1.0)
+    alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, seed=5,
+                                      temperature=1.0)
+    assert seeded.choices[0].text == alone.choices[0].text
+    assert seeded.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert seeded.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2,
+                                            seed=5, temperature=1.0, stream=True))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+                for i in (0, 1)]
+    assert streamed == [c.text for c in seeded.choices]
+    chat = client.chat.completions.create(model=model, n=2, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": PROMPT}])
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content

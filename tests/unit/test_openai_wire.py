@@ -83,7 +83,9 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature", "a number"),
     ({"model": MODEL, "prompt": "x", "top_p": float("nan")}, "top_p", "finite number"),
     ({"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs", ">= 0, got -1"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n", "must be 1"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, "n", ">= 1, got 0"),
+    ({"model": MODEL, "prompt": ["a"] * 100, "n": 3}, "n", "= 300 choices; the limit is 256"),
+    ({"model": MODEL, "prompt": ["a", [1, -2]]}, "prompt", "[1] contains -2"),
     ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo", "true or false"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ({"model": MODEL, "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias",
@@ -92,7 +94,6 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens", ">= 0, got -1"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": float("inf")}, "presence_penalty",
      "finite number"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt", "batches of more than one"),
     ({"model": MODEL, "prompt": [1, -2]}, "prompt", "outside the token ids [0, 2**32)"),
     ({"model": MODEL, "prompt": [[["x"]]]}, "prompt", "must be a string or a non-empty list"),
     ({"model": MODEL, "prompt": [2**32]}, "prompt", "4294967296, outside the token ids"),
@@ -187,7 +188,7 @@ def response() -> pb.GenerateResponse:
 
 
 def test_usage_reports_cached_tokens_and_timings_the_breakdown():
-    assert usage(response()) == {"prompt_tokens": 10, "completion_tokens": 4,
+    assert usage(response().usage) == {"prompt_tokens": 10, "completion_tokens": 4,
                                  "total_tokens": 14,
                                  "prompt_tokens_details": {"cached_tokens": 8}}
     t = timings(response())

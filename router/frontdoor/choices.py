@@ -1,0 +1,78 @@
+"""The choices of one OpenAI request (a batch of prompts x n samples): each runs as its own
+generation; their responses are read together, in arrival order for a stream or whole for a
+JSON reply, and their usage is added up (a prompt counted once however many samples it has)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve_proto import pdserve_pb2 as pb
+from router.request.calls import RouterError
+
+END = object()  # a choice's responses are over
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What completions with `echo` put before a choice's completion: the prompt's text, and its
+    tokens for the logprobs; empty without echo (and after the first part of a stream)."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+@dataclass
+class Choice:
+    index: int
+    responses: AsyncIterator  # pb.GenerateResponse, or a RouterError that ends them
+    prompt_token_ids: list[int]
+    echo: Echo
+    first_sample: bool  # sample 0 of its prompt: its prompt counts in the usage
+    parts: list[pb.GenerateResponse] = field(default_factory=list)
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
+    """Every choice's responses as they come, each with its choice; a choice's END follows its
+    last. The readers stop when the consumer does."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        async for item in choice.responses:
+            await queue.put((choice, item))
+        await queue.put((choice, END))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        for _ in range(len(choices)):
+            while (entry := await queue.get())[1] is not END:
+                yield entry
+                if isinstance(entry[1], RouterError):
+                    return
+            yield entry
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def collect(choices: list[Choice]) -> RouterError | None:
+    """Read every choice's responses into its `parts`; the first error, if any."""
+    async for choice, item in merged(choices):
+        if isinstance(item, RouterError):
+            return item
+        if item is not END:
+            choice.parts.append(item)
+    return None
+
+
+def total_usage(choices: list[Choice]) -> pb.Usage:
+    """The last responses' usage added up, each prompt once."""
+    usage = pb.Usage()
+    for choice in choices:
+        last = choice.parts[-1].usage if choice.parts else pb.Usage()
+        if choice.first_sample:
+            usage.prompt_tokens += last.prompt_tokens
+            usage.cached_tokens += last.cached_tokens
+        usage.completion_tokens += last.completion_tokens
+    return usage
