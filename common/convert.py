@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutput
 from pdserve_proto import pdserve_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 16
@@ -48,6 +49,8 @@ def sampling_from_proto(options: Any) -> SamplingParams:
         presence_penalty=options.presence_penalty,
         prompt_logprobs=(options.prompt_logprobs if options.HasField("prompt_logprobs")
                          else None),
+        structured_output=(structured_from_proto(options.structured_output)
+                           if options.HasField("structured_output") else None),
     )
     return dataclasses.replace(params, temperature=0.0) if top_p == 0.0 else params
 
@@ -67,7 +70,31 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         options.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         options.prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        options.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return options
+
+
+def structured_from_proto(message: Any) -> StructuredOutput:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_output must set one of json_schema, json_object, regex or "
+                         "choice")
+    if kind == "json_object":
+        if not message.json_object:
+            raise ValueError("structured_output.json_object must be true when set")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(message.choice.choices)))
+    return StructuredOutput(kind, getattr(message, kind))
+
+
+def structured_to_proto(constraint: StructuredOutput) -> pb.StructuredOutput:
+    if constraint.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if constraint.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=json.loads(constraint.spec)))
+    return pb.StructuredOutput(**{constraint.kind: constraint.spec})
 
 
 def prompt_logprobs_to_proto(prompt_token_ids: list[int],

@@ -118,6 +118,8 @@ class LLMEngine:
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias contains {bad}, outside the vocabulary [0, {vocab})")
+        if params.structured_output is not None:
+            self.runner.grammars.compile(params.structured_output)  # ValueError: why not
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -134,6 +136,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
+        self.runner.grammars.drop(request_id)
         return None if request is None else self._output(request, [])
 
     # ---- disaggregated prefill/decode -----------------------------------------------------
@@ -165,7 +168,9 @@ class LLMEngine:
 
     def detach(self, request_id: str) -> Request:
         """Stop scheduling a request but keep its blocks (its KV is being shipped)."""
-        return self.scheduler.detach(request_id)
+        request = self.scheduler.detach(request_id)
+        self.runner.grammars.drop(request_id)  # the decode side rebuilds it from the output
+        return request
 
     def release(self, request: Request) -> None:
         """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
@@ -177,7 +182,12 @@ class LLMEngine:
     # ---- the step loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.config.async_scheduling:
-            return self._step_async()
+            # A constrained request's mask needs its previous token on the host: while one
+            # runs, steps are synchronous (the step in flight is finished first).
+            if not self._has_constrained():
+                return self._step_async()
+            if self._in_flight is not None:
+                return self._step_async(launch=False)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -187,14 +197,17 @@ class LLMEngine:
                                         prompt_logprobs=result.prompt_logprobs)
         return [self._from_update(u) for u in updates]
 
-    def _step_async(self) -> list[RequestOutput]:
+    def _has_constrained(self) -> bool:
+        return any(r.params.structured_output for r in self.scheduler.all_requests())
+
+    def _step_async(self, launch: bool = True) -> list[RequestOutput]:
         """Async scheduling: schedule and launch step N+1 as if step N were done, then read step
         N and apply it, so the host's scheduling and batch preparation run while the device
         computes. A request that step N finishes loses step N+1's row (and keeps its blocks
         until that step is done); outputs are those of `step`, each one call later."""
         previous, self._in_flight = self._in_flight, None
         try:
-            out = self.scheduler.schedule()
+            out = self.scheduler.schedule() if launch else SchedulerOutput()
             if not out.is_empty:
                 _note_first_scheduled(out)
                 self._in_flight = (out, self.runner.launch(out, previous and previous[1]))
@@ -215,6 +228,8 @@ class LLMEngine:
         return [self._from_update(u) for u in updates]
 
     def _from_update(self, update: RequestUpdate) -> RequestOutput:
+        if update.request.params.structured_output is not None:
+            self.runner.grammars.accept(update.request, update.new_token_ids[-1])
         return self._output(update.request, update.new_token_ids)
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:

@@ -24,6 +24,7 @@ from engine.request import Request
 from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import HostBatch, batch_tensors, host_batch
+from engine.structured_output import GrammarBook
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -96,6 +97,7 @@ class ModelRunner:
         self.kv_caches = self.kv_buffer.layers
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
+        self.grammars = GrammarBook(model_path, model_config.vocab_size)
         self.graphs: DecodeGraphs | None = None
         if self.attention.name == "triton" and self.device.type == "cuda":
             self._warm_up(model_config)
@@ -261,7 +263,9 @@ class ModelRunner:
             return None, prompt
         requests = [s.request for s in sampling_items]
         batch = SamplingBatch([r.params for r in requests], [r.num_output_tokens for r in requests],
-                              [self._history(r, step) for r in requests], step.previous_tokens)
+                              [self._history(r, step) for r in requests], step.previous_tokens,
+                              self.grammars.bitmask([r if r.params.structured_output else None
+                                                     for r in requests], self.device))
         return self.sampler.sample(logits[:len(sampling_items)], batch), prompt
 
     @staticmethod

@@ -3,10 +3,46 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, enforced each step by masking every token that would
+    break it (engine.structured_output, with xgrammar): `json_schema` (`spec`: the schema as
+    JSON text), `json_object` (any JSON object), `regex` (`spec`: the pattern) or `choice`
+    (`spec`: a JSON list of the allowed strings). The output ends when the constraint is
+    complete (only EOS is then allowed)."""
+
+    kind: str
+    spec: str = ""
+
+    KINDS = ("json_schema", "json_object", "regex", "choice")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"structured_output kind must be one of {', '.join(self.KINDS)}, "
+                             f"got {self.kind!r}")
+        if self.kind == "json_object":
+            return
+        if not self.spec:
+            raise ValueError(f"structured_output {self.kind} needs its {self.kind}")
+        if self.kind in ("json_schema", "choice"):
+            try:
+                value = json.loads(self.spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_output {self.kind} is not valid JSON: {exc}") \
+                    from None
+            if self.kind == "json_schema" and not isinstance(value, (dict, bool)):
+                raise ValueError("structured_output json_schema must be a JSON object")
+            if self.kind == "choice" and not (isinstance(value, list) and value and all(
+                    isinstance(c, str) and c for c in value)):
+                raise ValueError("structured_output choice must be a non-empty list of "
+                                 "non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -43,6 +79,7 @@ class SamplingParams:
     # (computed by the worker that computes the prompt; such a prompt skips the prefix cache,
     # whose positions have no logits)
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs

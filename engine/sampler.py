@@ -15,6 +15,7 @@ import torch
 from engine.device_tensors import to_device
 from engine.logits_processing import RowHistory, process_logits
 from engine.request import SamplingParams
+from engine.structured_output import apply_bitmask
 
 _MASK64 = (1 << 63) - 1
 
@@ -33,6 +34,8 @@ class SamplingBatch:
     # processes logits.
     histories: list[RowHistory | None] | None = None
     pending_tokens: torch.Tensor | None = None  # the device tokens RowHistory.pending_row indexes
+    # Structured output: the token bitmask and the constrained rows (engine.structured_output)
+    bitmask: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -73,6 +76,9 @@ class Sampler:
         if batch.histories is not None:
             processed = process_logits(logits, batch.params, batch.output_indices,
                                        batch.histories, batch.pending_tokens)
+        if batch.bitmask is not None:
+            processed = processed.clone() if processed is logits else processed
+            apply_bitmask(processed, batch.bitmask)
         greedy_tokens = processed.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens

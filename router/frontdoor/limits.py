@@ -9,7 +9,11 @@ core (and releases the GIL, see engine.tokenizer), so no input can hold the rout
 
 from __future__ import annotations
 
-from engine.request import SamplingParams
+import json
+
+import jsonschema
+
+from engine.request import SamplingParams, StructuredOutput
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_TEXT_CHARS = 1_000_000  # a prompt, or a chat's contents together, in characters
@@ -43,3 +47,19 @@ def check_sampling(temperature: float) -> None:
 def check_token_ids(field: str, count: int, limit: int) -> None:
     if count > limit:
         raise ValueError(f"{field} holds {count} token ids; the limit is {limit}")
+
+
+def check_structured_output(constraint: StructuredOutput) -> None:
+    """A constraint's size, and a JSON schema's validity against its meta-schema (what the
+    workers' grammar compiler cannot express is refused by them, naming it)."""
+    field = f"sampling.structured_output.{constraint.kind}"
+    check_text(field, len(constraint.spec), len(constraint.spec.encode()))
+    if constraint.kind != "json_schema":
+        return
+    schema = json.loads(constraint.spec)  # StructuredOutput checked it is JSON
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise ValueError(f"{field} is not a valid JSON Schema at {where}: {exc.message}") \
+            from None

@@ -17,6 +17,7 @@ with 400 naming it.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -212,6 +213,9 @@ def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None
     if parsed.seed is not None:
         options.seed = parsed.seed % (1 << 64)  # int64 -> uint64, one to one
     _logit_processing(parsed, options)
+    constraint = _structured(parsed)
+    if constraint is not None:
+        options.structured_output.CopyFrom(constraint)
     if logprobs is not None:
         options.logprobs = logprobs
     return options
@@ -228,6 +232,38 @@ def _logit_processing(parsed: CompletionRequest | ChatRequest,
     options.min_tokens = parsed.min_tokens or 0
     for token, bias in (parsed.logit_bias or {}).items():
         options.logit_bias[int(token)] = bias
+
+
+def _structured(parsed: CompletionRequest | ChatRequest) -> pb.StructuredOutput | None:
+    """response_format (json_object, json_schema) or vLLM's structured_outputs / guided_*
+    extensions, one at most, as the gRPC API's constraint."""
+    found: list[tuple[str, pb.StructuredOutput]] = []
+    fmt = parsed.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", pb.StructuredOutput(json_object=True)))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise bad("response_format.json_schema", "is required for type json_schema")
+        found.append(("response_format", pb.StructuredOutput(
+            json_schema=json.dumps(fmt.json_schema.json_schema))))
+    extension = parsed.structured_outputs
+    for name, schema, regex, choice in (
+            ("structured_outputs", extension and extension.json_schema,
+             extension and extension.regex, extension and extension.choice),
+            ("guided_*", parsed.guided_json, parsed.guided_regex, parsed.guided_choice)):
+        if schema is not None:
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            found.append((name, pb.StructuredOutput(json_schema=text)))
+        if regex is not None:
+            found.append((name, pb.StructuredOutput(regex=regex)))
+        if choice is not None:
+            found.append((name, pb.StructuredOutput(choice=pb.Choices(choices=choice))))
+    if extension is not None and extension.json_object:
+        found.append(("structured_outputs", pb.StructuredOutput(json_object=True)))
+    if len(found) > 1:
+        raise bad(found[1][0], "sets a second output constraint; one is allowed "
+                  f"(already: {found[0][0]})")
+    return found[0][1] if found else None
 
 
 # ---- responses ----------------------------------------------------------------------------

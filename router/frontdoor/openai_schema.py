@@ -8,7 +8,7 @@ error becomes one 400 message naming the field."""
 from __future__ import annotations
 
 import reprlib
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -52,6 +52,31 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None  # usage on every chunk (guidellm asks for it)
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's structured outputs (strict or not, the output is
+    held to the schema)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: Text | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    json_schema: dict[str, Any] | bool | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    json_object: bool | None = None
+
+
 class _Request(BaseModel):
     """What both endpoints take; unknown fields are ignored, as OpenAI's clients expect."""
 
@@ -74,7 +99,12 @@ class _Request(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions: one of json (a schema), regex, choice; and their older spellings
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     user: Text | None = None
 
     @field_validator("stop")
@@ -93,13 +123,6 @@ class _Request(BaseModel):
                 raise ValueError(f"keys must be token ids (integers in [0, 2**32) written as "
                                  f"strings), got {SHORT.repr(key)}")
         return bias
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value not in (None, {"type": "text"}):
-            raise ValueError('is not supported here: only {"type": "text"}')
-        return value
 
     def refuse_unsupported(self) -> None:
         """ValueError naming the first field set to something this server cannot honour."""
@@ -229,6 +252,8 @@ def _phrase(error: dict[str, Any]) -> str:
         return f"must be <= {ctx['le']}{got}"
     if kind == "too_short":
         return f"must hold at least {ctx.get('min_length', 1)} item(s)"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}{got}"
     if kind == "finite_number":
         return f"must be a finite number{got}"
     if kind == "value_error":

@@ -22,6 +22,7 @@ from router.frontdoor.limits import (
     MAX_REQUEST_ID_CHARS,
     MAX_STOP_TOKEN_IDS,
     check_sampling,
+    check_structured_output,
     check_text,
     check_token_ids,
 )
@@ -110,6 +111,8 @@ class Frontend:
         self._check_ids("sampling.stop_token_ids", params.stop_token_ids)
         check_token_ids("sampling.logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS_TOKENS)
         self._check_ids("sampling.logit_bias", [t for t, _ in params.logit_bias])
+        if params.structured_output is not None:
+            check_structured_output(params.structured_output)
         return params
 
     def _check_ids(self, field: str, token_ids: Sequence[int]) -> None:

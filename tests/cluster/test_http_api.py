@@ -386,3 +386,37 @@ def test_batches_of_prompts_and_n_samples_with_the_openai_client(client, model, 
                                           messages=[{"role": "user", "content": PROMPT}])
     assert [c.index for c in chat.choices] == [0, 1]
     assert chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_structured_output_with_the_openai_clients_parse(client, model):
+    """openai's `.parse()` (a pydantic model as a strict json_schema response format) and a
+    regex and a choice as vLLM's extensions, prefilled remotely: the prefill worker samples the
+    first token under the mask, the decode worker continues the same constraint."""
+    import re
+    from typing import Literal
+
+    import pydantic
+
+    class Verdict(pydantic.BaseModel):
+        answer: Literal["yes", "no", "maybe"]
+        sure: bool
+
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    parsed = client.chat.completions.parse(model=model, messages=messages, max_tokens=400,
+                                           temperature=0, response_format=Verdict)
+    verdict = parsed.choices[0].message.parsed
+    assert isinstance(verdict, Verdict) and parsed.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=400, temperature=0, stream=True,
+        response_format={"type": "json_object"}))
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
+    regex = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", regex.choices[0].text)
+    choice = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=1,
+                                       seed=3, extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=model, prompt="x", extra_body={
+            "structured_outputs": {"regex": "[a-"}})
+    assert "Unclosed '['" in bad.value.body["message"]

@@ -3,6 +3,8 @@ without a cluster: every refusal names its field and limit."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -63,6 +65,40 @@ def test_echo_asks_the_workers_for_prompt_logprobs_only_with_logprobs():
     text_only = parse({"model": MODEL, "prompt": "x", "echo": True}, False, MODEL)
     assert text_only.echo and not text_only.request.sampling.HasField("prompt_logprobs")
     assert not parse({"model": MODEL, "prompt": "x"}, False, MODEL).echo
+
+
+def test_response_formats_and_vllms_constraints_become_one_grpc_constraint():
+    def constraint(**body: object) -> object:
+        request = parse({"model": MODEL, "prompt": "x", **body}, False, MODEL).request
+        s = request.sampling
+        return s.structured_output if s.HasField("structured_output") else None
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert constraint(response_format={"type": "text"}) is None
+    assert constraint(response_format={"type": "json_object"}).json_object
+    got = constraint(response_format={"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": schema, "strict": True}})
+    assert json.loads(got.json_schema) == schema
+    assert json.loads(constraint(structured_outputs={"json": schema}).json_schema) == schema
+    assert constraint(structured_outputs={"regex": "[0-9]+"}).regex == "[0-9]+"
+    assert list(constraint(guided_choice=["a", "b"]).choice.choices) == ["a", "b"]
+    assert json.loads(constraint(guided_json=json.dumps(schema)).json_schema) == schema
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "xml"}}, "response_format.type",
+     "must be one of 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "is required for type json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "is required"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_*",
+     "a second output constraint"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1"),
+])
+def test_bad_output_constraints_name_the_field(body, param, words):
+    error = refused({"model": MODEL, "prompt": "x", **body})
+    assert error.status == 400 and error.param == param and words in error.message, error.message
 
 
 def test_chat_messages_text_parts_logprobs_and_stream_options():

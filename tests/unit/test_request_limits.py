@@ -5,6 +5,8 @@ config of the default model; no workers."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -88,6 +90,24 @@ def test_logit_processing_travels_to_the_workers_unchanged(frontend):
     assert sampling_from_proto(sampling_to_proto(p)) == p
     plain = frontend.parse(grpc_request(max_tokens=9), 0.0).params
     assert not plain.processes_logits and sampling_from_proto(sampling_to_proto(plain)) == plain
+
+
+def test_an_invalid_json_schema_is_refused_by_the_router_naming_where(frontend):
+    bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": "zero"}}}
+    request = grpc_request(structured_output=pb.StructuredOutput(json_schema=json.dumps(bad)))
+    assert refusal(frontend, request).startswith(
+        "sampling.structured_output.json_schema is not a valid JSON Schema at "
+        "properties/a/minimum: 'zero' is not of type 'number'")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": bad}}}
+    assert "is not a valid JSON Schema" in refusal(frontend, parse(body, False, MODEL).request)
+    choice = frontend.parse(grpc_request(structured_output=pb.StructuredOutput(
+        choice=pb.Choices(choices=["a", "b"]))), 0.0)
+    assert choice.params.structured_output.kind == "choice"
+    assert "choice must be a non-empty list" in refusal(frontend, grpc_request(
+        structured_output=pb.StructuredOutput(choice=pb.Choices(choices=["a", ""]))))
+    assert "must set one of json_schema" in refusal(frontend, grpc_request(
+        structured_output=pb.StructuredOutput()))
 
 
 def test_top_p_zero_is_greedy_on_both_front_doors(frontend):

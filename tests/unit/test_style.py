@@ -44,9 +44,9 @@ def test_no_source_file_is_hidden_from_git():
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     if listed.returncode != 0:
         pytest.skip("not a git checkout")
-    environments = (".venv/", ".venv-vllm/", ".gpu/", "build/", "dist/", ".gl/", ".whl/",
-                    ".pytest_cache/", ".ruff_cache/", "logs/")
-    hidden = [name for name in listed.stdout.split()
+    environments = (".venv/", ".venv-vllm/", ".venv-lmeval/", ".gpu/", "build/", "dist/", ".gl/",
+                    ".whl/", ".pytest_cache/", ".ruff_cache/", "logs/")
+    hidden = [name for name in listed.stdout.splitlines()  # names may hold spaces
               if not name.startswith(environments) and "/__pycache__/" not in name
               and ".egg-info/" not in name]
     assert hidden == []

@@ -1,0 +1,88 @@
+"""Structured output (SamplingParams.structured_output, xgrammar's token masks): every output
+satisfies its constraint — a JSON schema, any JSON object, a regex, a choice — batched with
+unconstrained requests whose outputs do not change, under async scheduling as synchronously,
+with every matcher dropped at the end; a constraint the compiler cannot express is refused."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.request import SamplingParams, StructuredOutput
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
+          "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "sure": {"type": "boolean"}}}
+CONSTRAINTS = [StructuredOutput("json_schema", json.dumps(SCHEMA)),
+               StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,4}"),
+               StructuredOutput("choice", json.dumps(["red", "green", "blue"])),
+               StructuredOutput("json_object")]
+
+
+def satisfied(constraint: StructuredOutput, text: str) -> bool:
+    if constraint.kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if constraint.kind == "regex":
+        return re.fullmatch(constraint.spec, text) is not None
+    if constraint.kind == "choice":
+        return text in json.loads(constraint.spec)
+    return isinstance(json.loads(text), dict)
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir) -> LLM:
+    return LLM(config=EngineConfig(model=str(default_model_dir), dtype="float32",
+                                   cache=CacheConfig(num_blocks=256)))
+
+
+def test_each_constraint_holds_beside_unconstrained_requests(smol, workload_prompts):
+    chat = smol.tokenizer.encode_chat([{"role": "user", "content": "Is the sky blue? Answer."}])
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_output=c)
+              for c in CONSTRAINTS]
+    params.append(SamplingParams(temperature=0.9, seed=4, max_tokens=80,
+                                 structured_output=CONSTRAINTS[0]))
+    prompts = [chat] * len(params) + [workload_prompts[1][:40]]
+    outs = smol.generate(prompts, params + [plain])
+    for out, p in zip(outs, params):
+        assert out.finish_reason == "stop", out.text  # the constraint completed, then EOS
+        assert satisfied(p.structured_output, out.text), out.text
+    assert outs[-1].token_ids == smol.generate([prompts[-1]], plain)[0].token_ids
+    assert len(smol.engine.runner.grammars) == 0  # every matcher dropped
+
+
+def test_a_constraint_the_compiler_cannot_express_is_refused(smol):
+    for constraint, words in ((StructuredOutput("regex", "[a-"), "Unclosed '['"),
+                              (StructuredOutput("json_schema", '{"type": "nonsense"}'),
+                               'Unsupported type "nonsense"')):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            smol.engine.add_request([1, 2, 3], SamplingParams(structured_output=constraint))
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutput("choice", "[]")
+
+
+def test_constrained_requests_step_synchronously_under_async_scheduling(default_model_dir):
+    outputs = []
+    for on in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(default_model_dir), dtype="float32",
+                                        async_scheduling=on, cache=CacheConfig(num_blocks=64)))
+        engine.add_request([1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=9,
+                                                           ignore_eos=True), request_id="free")
+        done = {}
+        for step in range(200):
+            if step == 3:  # a constrained request arrives while a step is in flight
+                engine.add_request([6, 7, 8], SamplingParams(
+                    temperature=0, max_tokens=60, structured_output=CONSTRAINTS[0]),
+                    request_id="json")
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if not engine.has_unfinished_requests():
+                break
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        outputs.append(done)
+    assert outputs[0] == outputs[1]
