@@ -33,7 +33,11 @@ class Tokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_id = self.token_to_id(self.eos_token)
-        self.chat_template = _load_chat_template(model_dir, config)
+        source = _chat_template_source(model_dir, config)
+        self.chat_template = None if source is None else _compile_chat_template(source)
+        # The template writes tool calls in the Hermes/Qwen format (<tool_call>{...}</tool_call>),
+        # so a model trained with it writes them so (what tool_choice "auto" parses).
+        self.knows_tool_calls = source is not None and "<tool_call>" in source
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str | None) -> int | None:
@@ -48,7 +52,8 @@ class Tokenizer:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template")
@@ -60,14 +65,16 @@ class Tokenizer:
         return self.chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already writes every special token, as transformers' apply_chat_template.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
                            add_special_tokens=add_special_tokens)
 
     def id_to_token(self, token_id: int) -> str:
@@ -99,15 +106,15 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def _load_chat_template(model_dir: Path, config: dict[str, Any]) -> Any:
-    source = None
+def _chat_template_source(model_dir: Path, config: dict[str, Any]) -> str | None:
     jinja_file = model_dir / "chat_template.jinja"
     if jinja_file.is_file():
-        source = jinja_file.read_text()
-    elif isinstance(config.get("chat_template"), str):
-        source = config["chat_template"]
-    if source is None:
-        return None
+        return jinja_file.read_text()
+    template = config.get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _compile_chat_template(source: str) -> Any:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve_proto import pdserve_pb2 as pb
+from router.frontdoor.tools import AutoStream, ToolCall, ToolPlan
 from router.request.calls import RouterError
 
 END = object()  # a choice's responses are over
@@ -31,6 +32,24 @@ class Choice:
     echo: Echo
     first_sample: bool  # sample 0 of its prompt: its prompt counts in the usage
     parts: list[pb.GenerateResponse] = field(default_factory=list)
+    tools: ToolPlan | None = None  # chat with tools: how its output becomes tool calls
+    held: str = ""  # streamed with named/required tools: the output, parsed at the end
+    auto: AutoStream = field(default_factory=AutoStream)  # streamed with tool_choice auto
+
+    def stream_text(self, text: str) -> str:
+        """The content a stream sends now for this output text (tool calls are held back)."""
+        mode = self.tools.mode if self.tools else "none"
+        if mode in ("named", "required"):
+            self.held += text
+            return ""
+        return self.auto.feed(text) if mode == "auto" else text
+
+    def stream_end(self) -> tuple[str, list[ToolCall]]:
+        """At the stream's end: content still held, and the tool calls."""
+        mode = self.tools.mode if self.tools else "none"
+        if mode in ("named", "required"):
+            return self.tools.calls(self.held)
+        return self.auto.finish() if mode == "auto" else ("", [])
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:

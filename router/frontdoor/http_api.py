@@ -149,7 +149,8 @@ class HttpApi:
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         record = RequestRecord("http")
         try:
-            api = wire.parse(await _json(http), chat, self.frontend.model_name)
+            api = wire.parse(await _json(http), chat, self.frontend.model_name,
+                             self.frontend.tokenizer.knows_tool_calls)
             scope = CallScope(_timeout(http) or self.servicer.default_timeout_s)
         except wire.ApiError as exc:
             record.failed(wire.grpc_code(exc.status), exc.message)
@@ -178,7 +179,8 @@ class HttpApi:
             scope.cancel()  # the other choices end too
             return _error(wire.ApiError.from_status(failed.code, failed.message))
         choices = [Choice(i, run, first.prompt_token_ids,
-                          self._echo(api, request, first.prompt_token_ids), i % api.n == 0)
+                          self._echo(api, request, first.prompt_token_ids), i % api.n == 0,
+                          tools=api.tools)
                    for i, (run, first, request) in enumerate(zip(runs, firsts, api.all_choices))]
 
         def done() -> None:  # the outcome is known: count it before the client reads the end
@@ -256,10 +258,15 @@ class HttpApi:
                 "logprobs": wire.logprobs_json(api, logprobs, self._token_text, 0,
                                                choice.echo.prompt_token_ids,
                                                list(parts[0].prompt_logprobs))}
-        if api.chat:
-            body["message"] = {"role": "assistant", "content": text}
-        else:
+        if not api.chat:
             body["text"] = text
+            return body
+        content, calls = api.tools.calls(text) if api.tools else (text, [])
+        body["message"] = {"role": "assistant", "content": content or None if calls else content}
+        if calls:
+            body["message"]["tool_calls"] = [c.as_json() for c in calls]
+            if body["finish_reason"] == "stop":
+                body["finish_reason"] = "tool_calls"
         return body
 
     async def _sse(self, reply: web.StreamResponse, api: wire.ApiRequest, usage: SseUsage,
@@ -280,7 +287,7 @@ class HttpApi:
                 continue
             usage.completion_tokens += len(item.token_ids)
             echo, choice.echo = choice.echo, Echo()  # the prompt goes out once, first
-            await self._send_part(reply, api, choice.index, item, offsets[choice.index],
+            await self._send_part(reply, api, choice, item, offsets[choice.index],
                                   usage.so_far() if api.continuous_usage else None, echo)
             offsets[choice.index] += len(echo.text) + len(item.text)
             if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -294,28 +301,38 @@ class HttpApi:
         await reply.write_eof()
         return reply
 
-    async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest, index: int,
+    async def _send_part(self, reply: web.StreamResponse, api: wire.ApiRequest, choice: Choice,
                          item: pb.GenerateResponse, offset: int, usage: dict | None,
                          echo: Echo) -> None:
         finished = item.finish_reason != pb.FINISH_REASON_UNSPECIFIED
         text = echo.text + item.text
+        calls: list = []
+        if api.chat:
+            text = choice.stream_text(text)
+            if finished:
+                rest, calls = choice.stream_end()
+                text += rest
         if not (text or item.logprobs or echo.prompt_token_ids or finished):
             return  # a token that completes no character yet: nothing to say
-        choice: dict = {"index": index,
-                        "logprobs": wire.logprobs_json(api, list(item.logprobs),
-                                                       self._token_text, offset,
-                                                       echo.prompt_token_ids,
-                                                       list(item.prompt_logprobs)),
-                        "finish_reason": wire.FINISH.get(item.finish_reason) if finished
-                        else None}
+        body: dict = {"index": choice.index,
+                      "logprobs": wire.logprobs_json(api, list(item.logprobs),
+                                                     self._token_text, offset,
+                                                     echo.prompt_token_ids,
+                                                     list(item.prompt_logprobs)),
+                      "finish_reason": wire.FINISH.get(item.finish_reason) if finished
+                      else None}
         if api.chat:
-            choice["delta"] = {"content": text} if text else {}
+            body["delta"] = {"content": text} if text else {}
+            if calls:
+                body["delta"]["tool_calls"] = [c.as_json(k) for k, c in enumerate(calls)]
+                if body["finish_reason"] == "stop":
+                    body["finish_reason"] = "tool_calls"
         else:
-            choice["text"] = text
+            body["text"] = text
         extra: dict[str, object] = {"timings": wire.timings(item)} if finished else {}
         if usage is not None:
             extra["usage"] = usage
-        await _event(reply, self._chunk(api, choice, **extra))
+        await _event(reply, self._chunk(api, body, **extra))
 
     def _chunk(self, api: wire.ApiRequest, choice: dict | None, **extra: object) -> dict:
         body = wire.envelope(api, api.request.request_id, self.frontend.model_name, True)

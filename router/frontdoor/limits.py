@@ -23,6 +23,7 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (no model has a 
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS_TOKENS = 4096
 MAX_CHOICES = 256  # completions per HTTP request: prompts in a batch x n
+MAX_TOOLS = 128  # functions a chat request may offer
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

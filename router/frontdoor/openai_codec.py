@@ -11,8 +11,9 @@ temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy)
 frequency_penalty, repetition_penalty, logit_bias, min_tokens, echo (completions: the prompt
 before the completion, with its logprobs when logprobs is set), n = 1, stream,
 stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
-(n > 1, echo on chat, best_of, tools, suffix, a response_format other than text) is refused
-with 400 naming it.
+(echo on chat, best_of, functions, suffix) is refused with 400 naming it. Batches of prompts
+and n samples become one request per choice; response_format / structured_outputs / guided_*
+and tool_choice become the request's output constraint (router.frontdoor.tools).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import grpc
 from pydantic import ValidationError
 
+from common.convert import structured_to_proto
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import MAX_CHOICES
 from router.frontdoor.openai_schema import (
@@ -35,6 +37,8 @@ from router.frontdoor.openai_schema import (
     UnsupportedField,
     describe,
 )
+from router.frontdoor.tools import ToolPlan
+from router.frontdoor.tools import plan as tools_plan
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
           pb.FINISH_REASON_ABORT: "abort"}
@@ -108,6 +112,7 @@ class ApiRequest:
     # first; the others differ in prompt, request id and seed
     choices: tuple[pb.GenerateRequest, ...] = ()
     n: int = 1  # choices per prompt: choice i is sample i % n of prompt i // n
+    tools: ToolPlan | None = None  # chat with tools: how the output becomes tool calls
 
     @property
     def id_prefix(self) -> str:
@@ -118,10 +123,37 @@ class ApiRequest:
         return self.choices or (self.request,)
 
 
-def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
+def parse(body: object, chat: bool, model_name: str, template_knows_calls: bool = False
+          ) -> ApiRequest:
     """A request body (ApiError 400 naming the field and its limit, 404 for another model).
     Types and wire ranges are checked here (openai_schema); the limits both front doors
-    share are checked later, once, by the router's frontend."""
+    share are checked later, once, by the router's frontend. `template_knows_calls`: the chat
+    template writes Hermes-style tool calls (tool_choice auto is allowed)."""
+    parsed = _validated(body, chat, model_name)
+    request = pb.GenerateRequest(request_id=f"{'chatcmpl' if chat else 'cmpl'}-"
+                                 f"{uuid.uuid4().hex[:24]}", model=parsed.model)
+    tools = None
+    if isinstance(parsed, ChatRequest):
+        _chat(parsed, request.chat)
+        tools = _tool_plan(parsed, request.chat, template_knows_calls)
+    logprobs = _logprobs(parsed)
+    request.sampling.CopyFrom(_sampling(parsed, logprobs, tools))
+    options = parsed.stream_options
+    if options is not None and not parsed.stream:
+        raise bad("stream_options", "is only allowed with stream: true")
+    include_usage = bool(options and options.include_usage)
+    echo = isinstance(parsed, CompletionRequest) and bool(parsed.echo)
+    if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
+        request.sampling.prompt_logprobs = logprobs
+    prompts = parsed.prompt if isinstance(parsed, CompletionRequest) else [None]
+    choices = _choices(request, prompts, parsed.n or 1)
+    return ApiRequest(chat, choices[0], bool(parsed.stream), include_usage, logprobs,
+                      request.sampling.HasField("max_tokens"),
+                      include_usage and bool(options and options.continuous_usage_stats), echo,
+                      tuple(choices), parsed.n or 1, tools[0] if tools else None)
+
+
+def _validated(body: object, chat: bool, model_name: str) -> CompletionRequest | ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     schema = ChatRequest if chat else CompletionRequest
@@ -136,28 +168,33 @@ def parse(body: object, chat: bool, model_name: str) -> ApiRequest:
     if parsed.model != model_name:
         raise ApiError(404, f"The model `{parsed.model}` does not exist; this server serves "
                        f"`{model_name}`", "not_found_error", "model", "model_not_found")
-    request = pb.GenerateRequest(request_id=f"{'chatcmpl' if chat else 'cmpl'}-"
-                                 f"{uuid.uuid4().hex[:24]}", model=parsed.model)
-    if isinstance(parsed, ChatRequest):
-        for message in parsed.messages:
-            request.chat.messages.add(role=message.role, content=message.content,
-                                      tool_call_id=message.tool_call_id or "",
-                                      name=message.name or "")
-    logprobs = _logprobs(parsed)
-    request.sampling.CopyFrom(_sampling(parsed, logprobs))
-    options = parsed.stream_options
-    if options is not None and not parsed.stream:
-        raise bad("stream_options", "is only allowed with stream: true")
-    include_usage = bool(options and options.include_usage)
-    echo = isinstance(parsed, CompletionRequest) and bool(parsed.echo)
-    if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
-        request.sampling.prompt_logprobs = logprobs
-    prompts = parsed.prompt if isinstance(parsed, CompletionRequest) else [None]
-    choices = _choices(request, prompts, parsed.n or 1)
-    return ApiRequest(chat, choices[0], bool(parsed.stream), include_usage, logprobs,
-                      request.sampling.HasField("max_tokens"),
-                      include_usage and bool(options and options.continuous_usage_stats), echo,
-                      tuple(choices), parsed.n or 1)
+    return parsed
+
+
+def _chat(parsed: ChatRequest, chat: pb.ChatMessages) -> None:
+    for message in parsed.messages:
+        turn = chat.messages.add(role=message.role, content=message.content,
+                                 tool_call_id=message.tool_call_id or "", name=message.name or "")
+        for call in message.tool_calls or []:
+            turn.tool_calls.add(id=call.id, name=call.function.name,
+                                arguments=call.function.arguments)
+    if parsed.tools:
+        chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in parsed.tools])
+
+
+def _tool_plan(parsed: ChatRequest, chat: pb.ChatMessages, template_knows_calls: bool
+               ) -> tuple[ToolPlan, pb.StructuredOutput | None] | None:
+    """How tools are used, and the constraint that holds the model to them (None: no tools)."""
+    if not parsed.tools and parsed.tool_choice in (None, "none"):
+        return None
+    choice = parsed.tool_choice
+    tools = json.loads(chat.tools_json) if chat.tools_json else []
+    try:
+        plan, constraint = tools_plan(tools, choice if not hasattr(choice, "model_dump")
+                                      else choice.model_dump(), template_knows_calls)
+    except ValueError as exc:
+        raise bad("tool_choice", str(exc)) from None
+    return plan, None if constraint is None else structured_to_proto(constraint)
 
 
 def _choices(base: pb.GenerateRequest, prompts: list[str | list[int] | None], n: int
@@ -193,7 +230,8 @@ def _logprobs(parsed: CompletionRequest | ChatRequest) -> int | None:
     return parsed.top_logprobs or 0
 
 
-def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None
+def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None,
+              tools: tuple[ToolPlan, pb.StructuredOutput | None] | None = None
               ) -> pb.SamplingOptions:
     """The gRPC API's sampling options; absent fields keep OpenAI's defaults (temperature 1,
     16 tokens for completions, the rest of the context for chat)."""
@@ -214,6 +252,11 @@ def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None
         options.seed = parsed.seed % (1 << 64)  # int64 -> uint64, one to one
     _logit_processing(parsed, options)
     constraint = _structured(parsed)
+    if tools is not None and tools[1] is not None:
+        if constraint is not None:
+            raise bad("tool_choice", f"{tools[0].mode} holds the output to a tool's arguments; "
+                      "it cannot take a response format or another output constraint too")
+        constraint = tools[1]
     if constraint is not None:
         options.structured_output.CopyFrom(constraint)
     if logprobs is not None:

@@ -17,6 +17,7 @@ from router.frontdoor.limits import (
     MAX_LOGPROBS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
 )
 
 UINT32_MAX = (1 << 32) - 1
@@ -43,7 +44,7 @@ TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields this server cannot honour yet, with the value that means "not used".
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None,
-               "tool_choice": "none", "function_call": None}
+               "tool_choice": "none", "function_call": None}  # tools: ChatRequest's own fields
 
 
 class StreamOptions(BaseModel):
@@ -185,12 +186,53 @@ class TextPart(BaseModel):
     text: Text | None = None
 
 
+class FunctionCallName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Text
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """An assistant turn's tool call, sent back in the history."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionCallName
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Text
     content: Any = None
     name: Text | None = None
     tool_call_id: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
     @field_validator("content")
     @classmethod
@@ -218,6 +260,9 @@ class ChatRequest(_Request):
     logprobs: bool | None = None
     # bounded here too, so the error names this API's field (the number is the shared limit)
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # calls are parsed as the model writes them
 
 
 def describe(error: ValidationError) -> tuple[str, str]:

@@ -5,9 +5,11 @@ is a ValueError whose message names the field and its limit."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from common.convert import sampling_from_proto
 from engine.config import ModelConfig
@@ -148,19 +150,35 @@ class Frontend:
             raise ValueError(f"chat.messages holds {len(chat.messages)} messages; the limit is "
                              f"{MAX_CHAT_MESSAGES}")
         texts = [t for m in chat.messages for t in (m.content, m.name, m.tool_call_id)]
+        texts += [t for m in chat.messages for c in m.tool_calls for t in (c.name, c.arguments)]
+        texts.append(chat.tools_json)
         check_text("chat.messages", sum(len(t) for t in texts),
                    sum(len(t.encode()) for t in texts))
+        tools = _tools(chat.tools_json)
         try:
             return self.tokenizer.encode_chat([_message(i, m)
                                                for i, m in enumerate(chat.messages)],
-                                              add_generation_prompt, add_special_tokens)
+                                              add_generation_prompt, add_special_tokens, tools)
         except ChatTemplateError as exc:
             raise ValueError(f"chat: {exc}") from exc
 
 
-def _message(index: int, message: pb.ChatMessage) -> dict[str, str]:
+def _tools(tools_json: str) -> list[dict[str, Any]] | None:
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"chat.tools_json is not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError("chat.tools_json must be a JSON list of tool objects")
+    return tools
+
+
+def _message(index: int, message: pb.ChatMessage) -> dict[str, Any]:
     """One turn as the chat template takes it: `developer` is system (as OpenAI treats it); a
-    `tool` turn carries the id of the call it answers."""
+    `tool` turn carries the id of the call it answers; an assistant turn its tool calls (their
+    arguments as objects, as templates index them)."""
     if message.role not in CHAT_ROLES:
         raise ValueError(f"chat.messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, "
                          f"got {message.role!r}")
@@ -172,4 +190,14 @@ def _message(index: int, message: pb.ChatMessage) -> dict[str, str]:
         turn["tool_call_id"] = message.tool_call_id
     if message.name:
         turn["name"] = message.name
+    if message.tool_calls:
+        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": _arguments(c.arguments)}} for c in message.tool_calls]
     return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # as sent: the template shows it verbatim

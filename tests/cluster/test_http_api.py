@@ -420,3 +420,40 @@ def test_structured_output_with_the_openai_clients_parse(client, model):
         client.completions.create(model=model, prompt="x", extra_body={
             "structured_outputs": {"regex": "[a-"}})
     assert "Unclosed '['" in bad.value.body["message"]
+
+
+def test_tool_calls_with_the_openai_client(client, model):
+    """A named function and `required` hold the output to a call (structured output over the
+    parameters), whole and streamed; `auto` is refused for this template (it writes no tool-call
+    format); a history with the assistant's calls and the tool's answers renders."""
+    import jsonschema
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                       "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}}}}
+    clock = {"type": "function", "function": {"name": "get_time"}}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, tools=[weather, clock],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
+    assert named.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, tools=[weather, clock],
+        tool_choice="required", stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].function.name in ("get_weather", "get_time")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model, messages=messages, tools=[weather],
+                                       tool_choice="auto")
+    assert refused.value.body["param"] == "tool_choice"
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=model, messages=history, max_tokens=5,
+                                            temperature=0, tools=[weather], tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None

@@ -30,7 +30,8 @@ class FakeServicer:
     def __init__(self) -> None:
         self.frontend = SimpleNamespace(model_name=MODEL, model_config=SimpleNamespace(
             max_position_embeddings=2048), tokenizer=SimpleNamespace(
-            decode=lambda ids, skip_special_tokens=False: "".join(f"<{i}>" for i in ids)))
+            decode=lambda ids, skip_special_tokens=False: "".join(f"<{i}>" for i in ids),
+            knows_tool_calls=False))
         self.metrics = RouterMetrics()
         self.requests = RequestLog(self.metrics)
         self.default_timeout_s = 600.0
