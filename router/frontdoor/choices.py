@@ -1,18 +1,64 @@
-"""The choices of one OpenAI request (a batch of prompts x n samples): each runs as its own
-generation; their responses are read together, in arrival order for a stream or whole for a
-JSON reply, and their usage is added up (a prompt counted once however many samples it has)."""
+"""The choices of one request (a batch of prompts x n samples): each runs as its own
+generation (`expand`); for the HTTP API their responses are read together, in arrival order for
+a stream or whole for a JSON reply, and their usage is added up (a prompt counted once however
+many samples it has)."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve_proto import pdserve_pb2 as pb
+from router.frontdoor.limits import MAX_CHOICES
 from router.frontdoor.tools import AutoStream, ToolCall, ToolPlan
 from router.request.calls import RouterError
 
 END = object()  # a choice's responses are over
+
+
+def expand(base: pb.GenerateRequest, prompts: list[str | list[int] | None], n: int
+           ) -> list[pb.GenerateRequest]:
+    """One request per prompt and sample (a None prompt keeps the base's input); sample j of a
+    seeded request draws with seed + j. ValueError past MAX_CHOICES."""
+    if len(prompts) * n > MAX_CHOICES:
+        raise ValueError(f"n x {len(prompts)} prompt(s) = {len(prompts) * n} choices; the limit "
+                         f"is {MAX_CHOICES}")
+    choices = []
+    for prompt in prompts:
+        for j in range(n):
+            choice = pb.GenerateRequest()
+            choice.CopyFrom(base)
+            choice.n = 0
+            if len(prompts) * n > 1:
+                choice.request_id = f"{base.request_id}-{len(choices)}"
+            if isinstance(prompt, str):
+                choice.prompt = prompt
+            elif prompt is not None:
+                choice.prompt_token_ids.ids.extend(prompt)
+            if j and base.sampling.HasField("seed"):
+                choice.sampling.seed = (base.sampling.seed + j) % (1 << 64)
+            choices.append(choice)
+    return choices
+
+
+def expand_grpc(request: pb.GenerateRequest) -> list[pb.GenerateRequest]:
+    """A gRPC request's choices: its batch's prompts (or its one input) x n."""
+    prompts: list[str | list[int] | None] = [None]
+    if request.WhichOneof("input") == "batch":
+        batch = request.batch
+        if batch.prompts and batch.token_ids:
+            raise ValueError("batch holds text prompts and token-id prompts: one kind only")
+        prompts = list(batch.prompts) or [list(t.ids) for t in batch.token_ids]
+        if not prompts:
+            raise ValueError("batch holds no prompt")
+    if not request.request_id:  # the choices' ids derive from it
+        named = pb.GenerateRequest()
+        named.CopyFrom(request)
+        named.request_id = f"gen-{uuid.uuid4().hex[:12]}"
+        request = named
+    return expand(request, prompts, max(1, request.n))
 
 
 @dataclass(frozen=True)

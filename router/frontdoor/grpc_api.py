@@ -4,6 +4,7 @@ lives in the Frontend (validation), the Orchestrator and the PlacementPolicy."""
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from common.grpc_server import call_budget_s
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.fleet.registry_service import ROLE_TO_PROTO
+from router.frontdoor.choices import expand_grpc
 from router.frontdoor.detokenizer import IncrementalText
 from router.frontdoor.lenient import Unparsable, lenient
 from router.frontdoor.request_log import RequestLog, RequestRecord
@@ -46,6 +48,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, request: pb.GenerateRequest | Unparsable, context: grpc.ServicerContext
                  ) -> Iterator[pb.GenerateResponse]:
+        if _several_choices(request):
+            yield from self._generate_choices(request, context)
+            return
         record = RequestRecord("grpc")
         scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
         context.add_callback(scope.cancel)
@@ -56,6 +61,42 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             scope.cancel()  # whatever ended it, nothing keeps running on the workers
             self.requests.finish(record, scope.expired())
+
+    def _generate_choices(self, request: pb.GenerateRequest, context: grpc.ServicerContext
+                          ) -> Iterator[pb.GenerateResponse]:
+        """A batch or n > 1: each choice a generation of its own on a thread, their messages
+        interleaved with their index; the first failure ends them all."""
+        try:
+            choices = expand_grpc(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
+        context.add_callback(scope.cancel)
+        records = [RequestRecord("grpc") for _ in choices]
+        merged: queue.Queue = queue.Queue()
+        for index, (choice, record) in enumerate(zip(choices, records)):
+            threading.Thread(target=self._run_choice, args=(index, choice, scope, record, merged),
+                             name=f"choice-{index}", daemon=True).start()
+        try:
+            for item in _until_all_end(merged, len(choices), scope):
+                if isinstance(item, RouterError):
+                    context.abort(item.code, item.message)
+                yield item
+        finally:
+            scope.cancel()  # whatever ended it, no choice keeps running on the workers
+            for record in records:
+                self.requests.finish(record, scope.expired())
+
+    def _run_choice(self, index: int, choice: pb.GenerateRequest, scope: CallScope,
+                    record: RequestRecord, merged: queue.Queue) -> None:
+        try:
+            for response in self.stream(choice, scope, record):
+                response.index = index
+                merged.put(response)
+        except RouterError as exc:
+            merged.put(exc)
+        finally:
+            merged.put(CHOICE_END)
 
     def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                record: RequestRecord, on_accepted: Callable[[Job], None] | None = None,
@@ -157,6 +198,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:
+        if _several_choices(request):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Complete answers one choice: use "
+                          "Generate for a batch or n > 1 (its messages carry their index)")
         reply = pb.CompleteResponse()
         for part in self.Generate(request, context):
             reply.request_id = part.request_id
@@ -210,6 +254,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return call(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+CHOICE_END = object()  # one choice's messages are over
+WAIT_MARGIN_S = 5.0  # past the request's deadline, a choice's thread has surely answered
+
+
+def _several_choices(request: pb.GenerateRequest | Unparsable) -> bool:
+    return not isinstance(request, Unparsable) and (
+        request.n > 1 or request.WhichOneof("input") == "batch")
+
+
+def _until_all_end(merged: queue.Queue, count: int, scope: CallScope
+                   ) -> Iterator[pb.GenerateResponse | RouterError]:
+    """The choices' messages as they come, until every choice has ended or one failed."""
+    while count:
+        wait_s = max(0.0, scope.deadline - time.monotonic()) + WAIT_MARGIN_S
+        try:
+            item = merged.get(timeout=wait_s)
+        except queue.Empty:
+            yield RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
+            return
+        if item is CHOICE_END:
+            count -= 1
+            continue
+        yield item
+        if isinstance(item, RouterError):
+            return
 
 
 def add_generation_servicer(servicer: GenerationServicer, server: grpc.Server) -> None:

@@ -4,12 +4,12 @@ everything after this — validation, admission, placement — is shared), and t
 become OpenAI's JSON objects and stream chunks. Plain Python over dicts; router.frontdoor.http_api
 serves it.
 
-Fields: model, prompt (text, token ids, or a batch of one), messages (roles system, developer,
+Fields: model, prompt (text, token ids, or a batch of either), messages (roles system, developer,
 user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
 temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy), top_k, seed
 (any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, presence_penalty,
 frequency_penalty, repetition_penalty, logit_bias, min_tokens, echo (completions: the prompt
-before the completion, with its logprobs when logprobs is set), n = 1, stream,
+before the completion, with its logprobs when logprobs is set), n, stream,
 stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
 (echo on chat, best_of, functions, suffix) is refused with 400 naming it. Batches of prompts
 and n samples become one request per choice; response_format / structured_outputs / guided_*
@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from common.convert import structured_to_proto
 from pdserve_proto import pdserve_pb2 as pb
-from router.frontdoor.limits import MAX_CHOICES
+from router.frontdoor.choices import expand
 from router.frontdoor.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -146,7 +146,10 @@ def parse(body: object, chat: bool, model_name: str, template_knows_calls: bool 
     if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
         request.sampling.prompt_logprobs = logprobs
     prompts = parsed.prompt if isinstance(parsed, CompletionRequest) else [None]
-    choices = _choices(request, prompts, parsed.n or 1)
+    try:
+        choices = expand(request, prompts, parsed.n or 1)
+    except ValueError as exc:  # "n x ... choices; the limit is ..."
+        raise ApiError(400, str(exc), param="n") from None
     return ApiRequest(chat, choices[0], bool(parsed.stream), include_usage, logprobs,
                       request.sampling.HasField("max_tokens"),
                       include_usage and bool(options and options.continuous_usage_stats), echo,
@@ -195,29 +198,6 @@ def _tool_plan(parsed: ChatRequest, chat: pb.ChatMessages, template_knows_calls:
     except ValueError as exc:
         raise bad("tool_choice", str(exc)) from None
     return plan, None if constraint is None else structured_to_proto(constraint)
-
-
-def _choices(base: pb.GenerateRequest, prompts: list[str | list[int] | None], n: int
-             ) -> list[pb.GenerateRequest]:
-    """One request per prompt and sample; sample j of a seeded request draws with seed + j."""
-    if len(prompts) * n > MAX_CHOICES:
-        raise bad("n", f"x {len(prompts)} prompt(s) = {len(prompts) * n} choices; the limit is "
-                  f"{MAX_CHOICES}")
-    choices = []
-    for prompt in prompts:
-        for j in range(n):
-            choice = pb.GenerateRequest()
-            choice.CopyFrom(base)
-            if len(prompts) * n > 1:
-                choice.request_id = f"{base.request_id}-{len(choices)}"
-            if isinstance(prompt, str):
-                choice.prompt = prompt
-            elif prompt is not None:
-                choice.prompt_token_ids.ids.extend(prompt)
-            if j and base.sampling.HasField("seed"):
-                choice.sampling.seed = (base.sampling.seed + j) % (1 << 64)
-            choices.append(choice)
-    return choices
 
 
 def _logprobs(parsed: CompletionRequest | ChatRequest) -> int | None:

@@ -457,3 +457,34 @@ def test_tool_calls_with_the_openai_client(client, model):
     answer = client.chat.completions.create(model=model, messages=history, max_tokens=5,
                                             temperature=0, tools=[weather], tool_choice="none")
     assert answer.choices[0].message.tool_calls is None
+
+
+def test_grpc_batches_and_n_samples_interleave_with_their_index(cluster, model, tiny_llama_dir):
+    from engine.tokenizer import Tokenizer
+
+    ids = Tokenizer(tiny_llama_dir).encode(PROMPT)
+    greedy = pb.SamplingOptions(max_tokens=5, temperature=0)
+    singles = [grpc_complete(cluster, pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=p),
+                                                          sampling=greedy)).token_ids
+               for p in (ids, ids[:4])]
+    with channel(cluster.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        parts = list(stub.Generate(pb.GenerateRequest(
+            batch=pb.PromptBatch(token_ids=[pb.TokenIds(ids=ids), pb.TokenIds(ids=ids[:4])]),
+            sampling=greedy), timeout=120))
+        got = [[t for p in parts if p.index == i for t in p.token_ids] for i in (0, 1)]
+        assert got == [list(s) for s in singles]
+        assert sum(p.finish_reason != pb.FINISH_REASON_UNSPECIFIED for p in parts) == 2
+        seeded = pb.SamplingOptions(max_tokens=6, temperature=1.0, seed=11)
+        alone = grpc_complete(cluster, pb.GenerateRequest(prompt=PROMPT, sampling=seeded))
+        samples = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=seeded, n=2),
+                                     timeout=120))
+        assert [t for p in samples if p.index == 0 for t in p.token_ids] == list(alone.token_ids)
+        for bad, words in ((pb.GenerateRequest(prompt=PROMPT, n=2), "Complete answers one"),
+                           (pb.GenerateRequest(batch=pb.PromptBatch(prompts=["a"], token_ids=[
+                               pb.TokenIds(ids=[1])])), "one kind only")):
+            with pytest.raises(grpc.RpcError) as refused:
+                (stub.Complete if "Complete" in words else
+                 lambda r, timeout: list(stub.Generate(r, timeout=timeout)))(bad, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in refused.value.details()
