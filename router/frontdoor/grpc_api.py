@@ -153,6 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _stream(self, job: Job, scope: CallScope, router_queue_s: float, record: RequestRecord
                 ) -> Iterator[pb.GenerateResponse]:
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
+        output: list[str] = []  # the text so far, for tool calls
         completion_tokens = 0
         first_token_time = last_token_time = None
         for event in self.orchestrator.run(job, scope):
@@ -167,13 +168,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 last_token_time = now
                 completion_tokens += len(event.token_ids)
                 record.completion_tokens = completion_tokens
+                delta = text.add(event.token_ids)
+                output.append(delta)
                 yield pb.GenerateResponse(request_id=job.request_id, token_ids=event.token_ids,
-                                          text=text.add(event.token_ids),
-                                          logprobs=event.logprobs,
+                                          text=delta, logprobs=event.logprobs,
                                           prompt_logprobs=event.prompt_logprobs)
             else:
                 self.metrics.e2e.observe(now - job.arrival)
                 last = self._last(job, event, text, completion_tokens, first_token_time)
+                if job.tools is not None:  # the calls in the whole output
+                    _, calls = job.tools.calls("".join(output) + last.text)
+                    last.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name,
+                                                       arguments=c.arguments) for c in calls)
                 last.timings.router_queue_s = router_queue_s
                 self.metrics.observe_phases(last.timings)
                 record.code = grpc.StatusCode.OK
@@ -208,6 +214,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             reply.text += part.text
             reply.logprobs.extend(part.logprobs)
             reply.prompt_logprobs.extend(part.prompt_logprobs)
+            reply.tool_calls.extend(part.tool_calls)
             if part.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 reply.finish_reason = part.finish_reason
                 reply.stop_reason = part.stop_reason

@@ -28,6 +28,8 @@ from router.frontdoor.limits import (
     check_text,
     check_token_ids,
 )
+from router.frontdoor.tools import ToolPlan
+from router.frontdoor.tools import plan as tools_plan
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Job:
     token_ids: list[int]
     params: SamplingParams
     arrival: float = 0.0
+    tools: ToolPlan | None = None  # tool_choice set: how the output becomes tool calls
 
 
 class Frontend:
@@ -63,8 +66,35 @@ class Frontend:
         if total > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens})"
                              f" = {total} exceeds the model context of {limit} tokens")
+        tools = None
+        if request.HasField("tool_choice"):
+            tools, params = self._tool_choice(request, params)
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
-        return Job(rid, f"{rid}#{uuid.uuid4().hex[:8]}", token_ids, params, arrival)
+        return Job(rid, f"{rid}#{uuid.uuid4().hex[:8]}", token_ids, params, arrival, tools)
+
+    def _tool_choice(self, request: pb.GenerateRequest, params: SamplingParams
+                     ) -> tuple[ToolPlan, SamplingParams]:
+        """The plan for the request's tool_choice, and its params holding the output to it."""
+        if request.WhichOneof("input") != "chat":
+            raise ValueError("tool_choice needs a chat input")
+        choice = request.tool_choice
+        kind = choice.WhichOneof("choice")
+        if kind is None or (kind == "mode" and choice.mode not in ("none", "auto", "required")):
+            raise ValueError(f"tool_choice.mode must be none, auto or required, got "
+                             f"{choice.mode!r}")
+        wanted = choice.mode if kind == "mode" else {"function": {"name": choice.function}}
+        try:
+            plan, constraint = tools_plan(_tools(request.chat.tools_json) or [], wanted,
+                                          self.tokenizer.knows_tool_calls)
+        except ValueError as exc:
+            raise ValueError(f"tool_choice: {exc}") from None
+        if constraint is not None:
+            if params.structured_output is not None:
+                raise ValueError(f"tool_choice {plan.mode} holds the output to a call: "
+                                 "sampling.structured_output must be unset")
+            check_structured_output(constraint)
+            params = dataclasses.replace(params, structured_output=constraint)
+        return plan, params
 
     def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """The Tokenize call: the same limits and chat rendering as a generation's prompt."""

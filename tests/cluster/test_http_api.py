@@ -488,3 +488,28 @@ def test_grpc_batches_and_n_samples_interleave_with_their_index(cluster, model, 
                  lambda r, timeout: list(stub.Generate(r, timeout=timeout)))(bad, timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert words in refused.value.details()
+
+
+def test_grpc_tool_choice_holds_the_output_to_a_call_and_parses_it(cluster):
+    import jsonschema
+
+    parameters = {"type": "object", "additionalProperties": False, "required": ["city"],
+                  "properties": {"city": {"enum": ["Paris", "Oslo"]}}}
+    tools = json.dumps([{"type": "function", "function": {"name": "get_weather",
+                                                          "parameters": parameters}}])
+    chat = pb.ChatMessages(tools_json=tools, messages=[pb.ChatMessage(role="user",
+                                                                      content="Weather?")])
+    sampling = pb.SamplingOptions(max_tokens=200, temperature=0)
+    for choice in (pb.ToolChoice(function="get_weather"), pb.ToolChoice(mode="required")):
+        reply = grpc_complete(cluster, pb.GenerateRequest(chat=chat, sampling=sampling,
+                                                          tool_choice=choice))
+        assert [c.name for c in reply.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(reply.tool_calls[0].arguments), parameters)
+    for choice, words in ((pb.ToolChoice(mode="auto"), "needs a chat template"),
+                          (pb.ToolChoice(function="nope"), "names 'nope'"),
+                          (pb.ToolChoice(mode="sometimes"), "tool_choice.mode must be")):
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_complete(cluster, pb.GenerateRequest(chat=chat, sampling=sampling,
+                                                      tool_choice=choice))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in refused.value.details()
