@@ -20,7 +20,8 @@ _FINISH_TO_PROTO = {
 _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 
-def sampling_from_proto(options: Any) -> SamplingParams:
+def sampling_from_proto(options: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS
+                        ) -> SamplingParams:
     """SamplingOptions -> SamplingParams; ValueError names the bad field and its limit.
     Absent max_tokens -> 16 (an explicit 0 is an error); absent top_p -> 1.0 (disabled); top_p 0
     keeps only the most likely token, which is greedy (OpenAI's meaning); top_k 0 -> disabled."""
@@ -32,7 +33,7 @@ def sampling_from_proto(options: Any) -> SamplingParams:
         raise ValueError(f"sampling.top_p must be in [0, 1], got {top_p:g}")
     params = SamplingParams(
         max_tokens=(options.max_tokens if options.HasField("max_tokens")
-                    else DEFAULT_MAX_TOKENS),
+                    else default_max_tokens),
         temperature=options.temperature,  # validated even when top_p 0 makes it greedy
         top_k=options.top_k if options.top_k != 0 else -1,
         top_p=top_p or 1.0,

@@ -80,6 +80,7 @@ class DecodeWorker:
                 lease_s: float, secret: str = "") -> TransferDescriptor:
         """Blocks for the prompt's KV, described for its sender (ValueError on bad input,
         NoRoom when the blocks do not fit right now)."""
+        self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> TransferDescriptor:
             if request_id in self.table:
@@ -117,6 +118,7 @@ class DecodeWorker:
                  ) -> Iterator[RequestOutput]:
         """The whole generation on this worker (prefill + decode): the colocated baseline."""
         outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,10 +12,11 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, default_dtype
 from engine.loader import resolve_model_path
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
@@ -228,9 +230,21 @@ class LLMEngine:
         return [self._from_update(u) for u in updates]
 
     def _from_update(self, update: RequestUpdate) -> RequestOutput:
-        if update.request.params.structured_output is not None:
-            self.runner.grammars.accept(update.request, update.new_token_ids[-1])
-        return self._output(update.request, update.new_token_ids)
+        request = update.request
+        if request.params.structured_output is not None and not self.runner.grammars.accept(
+                request, update.new_token_ids[-1]) and not request.is_finished:
+            log.warning("request %s: token %d breaks its %s constraint; it ends here",
+                        request.request_id, update.new_token_ids[-1],
+                        request.params.structured_output.kind)
+            self.scheduler.finish(request, FinishReason.ABORT)
+        return self._output(request, update.new_token_ids)
+
+    def prepare_constraint(self, params: SamplingParams) -> None:
+        """Compile a request's output constraint now (ValueError: why it cannot be): callable
+        from any thread, so the step loop finds it compiled rather than compiling it while
+        every running request waits."""
+        if params.structured_output is not None:
+            self.runner.grammars.compile(params.structured_output)
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
         new_text = request.take_visible_text()

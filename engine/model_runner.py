@@ -237,7 +237,8 @@ class ModelRunner:
     def _graph_bucket(self, batch: HostBatch) -> int | None:
         """The decode graph a step can replay: decode-only (one token per sequence) and no
         larger than the largest bucket; else None (eager)."""
-        if self.graphs is None or len(batch.token_ids) != len(batch.query_lens):
+        if self.graphs is None or len(batch.token_ids) != len(batch.query_lens) \
+                or batch.prompt_rows:  # a graph computes only the sampling rows' logits
             return None
         return self.graphs.bucket(len(batch.query_lens))
 

@@ -141,6 +141,10 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens}")
+        if self.min_tokens and self.structured_output is not None:
+            # A complete constraint allows only EOS, which min_tokens would mask: nothing left.
+            raise ValueError("min_tokens cannot be combined with structured_output (the "
+                             "constraint decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

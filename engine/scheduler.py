@@ -18,8 +18,9 @@ from engine.config import SchedulerConfig
 from engine.queue_order import running_order, waiting_order
 from engine.request import FinishReason, Request, RequestStatus
 
-# A prompt whose logprobs are asked for gets at most this many positions a step: each is a row
-# of fp32 logits over the vocabulary (512 x 152k x 4 bytes = 311 MB for a Qwen-sized vocabulary).
+# Prompts whose logprobs are asked for get at most this many positions a step, all of them
+# together: each is a row of fp32 logits over the vocabulary (512 x 152k x 4 bytes = 311 MB for a
+# Qwen-sized vocabulary).
 PROMPT_LOGPROBS_CHUNK = 512
 
 
@@ -82,6 +83,7 @@ class Scheduler:
         # step may still write its KV, and freed blocks could go to a peer's write at once.
         self.in_flight: set[str] = set()
         self._held: list[Request] = []
+        self._logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (PROMPT_LOGPROBS_CHUNK)
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -133,6 +135,7 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._logprob_rows_left = PROMPT_LOGPROBS_CHUNK
         now = self.clock()
         first, later = running_order(self.running, self.waiting, self.config, now)
         budget = self._schedule_running(out, first, self.config.max_num_batched_tokens)
@@ -143,10 +146,11 @@ class Scheduler:
         return out
 
     def _chunk(self, request: Request, remaining: int, budget: int) -> int:
-        limit = self.config.chunk_limit
-        if request.params.prompt_logprobs is not None:  # every position of it has logits
-            limit = min(limit, PROMPT_LOGPROBS_CHUNK)
-        return min(remaining, budget, limit)
+        num = min(remaining, budget, self.config.chunk_limit)
+        if request.params.prompt_logprobs is not None and remaining > 1:  # its positions have
+            num = min(num, self._logprob_rows_left)  # logits: the step's share (a decode has 1)
+            self._logprob_rows_left -= num
+        return num
 
     def _schedule_running(self, out: SchedulerOutput, requests: list[Request],
                           budget: int) -> int:
@@ -204,9 +208,10 @@ class Scheduler:
             num_hit = len(hits) * bm.block_size
             num = self._chunk(request, request.num_tokens - request.num_computed_tokens - num_hit,
                               budget)
-            # Head of line: never skip past a request that does not fit, so big ones cannot
-            # starve by being passed over forever.
-            if not bm.allocate_slots(request, num, hits):
+            # Head of line: never skip past a request that does not fit (or, asking for prompt
+            # logprobs, finds the step's share of them spent), so big ones cannot starve by
+            # being passed over forever.
+            if num <= 0 or not bm.allocate_slots(request, num, hits):
                 break
             if request.num_preemptions == 0:
                 bm.record_prefix_lookup(request.num_prompt_tokens, num_hit)

@@ -33,7 +33,7 @@ class GrammarBook:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self._compiler: Any = None
-        self._lock = threading.Lock()  # requests are validated on the workers' handler threads
+        self._lock = threading.Lock()  # workers compile on their gRPC handler threads
         self._matchers: dict[str, Any] = {}
 
     def _xgr(self) -> Any:
@@ -92,14 +92,14 @@ class GrammarBook:
             self.matcher(request).fill_next_token_bitmask(mask, i)
         return mask.to(device, non_blocking=True), [i for i, _ in constrained]
 
-    def accept(self, request: Request, token: int) -> None:
-        """The request's new token; a finished request's matcher is dropped."""
+    def accept(self, request: Request, token: int) -> bool:
+        """The request's new token (False: it breaks the constraint, which a mask that left
+        nothing allowed can cause); a finished request's matcher is dropped."""
         matcher = self.matcher(request)
-        if not matcher.is_terminated() and not matcher.accept_token(token):
-            raise RuntimeError(f"request {request.request_id}: token {token} breaks its "
-                               f"{request.params.structured_output.kind} constraint")
-        if request.is_finished:
+        accepted = matcher.is_terminated() or matcher.accept_token(token)
+        if request.is_finished or not accepted:
             self.drop(request.request_id)
+        return accepted
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -117,5 +117,6 @@ def apply_bitmask(logits: torch.Tensor, mask: tuple[torch.Tensor, list[int]]) ->
 
 
 def _choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar whose only sentences are the choices."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar whose only sentences are the choices (string literals escaped as JSON
+    escapes them, characters outside ASCII kept as they are)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

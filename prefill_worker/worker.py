@@ -59,6 +59,7 @@ class PrefillWorker:
         """Compute the prompt, sample the first token and ship the KV (ValueError on bad input,
         TimeoutError past `timeout_s`, TransferError when shipping fails)."""
         request_id, descriptor = transfer.request_id, transfer.descriptor
+        self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
         done: Future[PrefillResult] = Future()
 
         def queue(engine: LLMEngine) -> None:

@@ -59,6 +59,12 @@ class ToolPlan:
 def plan(tools: list[dict], tool_choice: str | dict | None, template_knows_calls: bool
          ) -> tuple[ToolPlan, StructuredOutput | None]:
     """The plan and the output constraint it needs; ValueError naming what is wrong."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("parameters", {}) or {}, dict):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": str, \"parameters\": object}}}}")
     names = [t["function"]["name"] for t in tools]
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from common.convert import sampling_from_proto
+from common.convert import DEFAULT_MAX_TOKENS, sampling_from_proto
 from engine.config import ModelConfig
 from engine.request import SamplingParams
 from engine.tokenizer import ChatTemplateError, Tokenizer
@@ -56,10 +56,12 @@ class Frontend:
             raise ValueError(f"request_id is {len(request.request_id)} chars; the limit is "
                              f"{MAX_REQUEST_ID_CHARS}")
         self._check_model(request.model)
-        params = self._sampling(request.sampling)
+        limit = self.model_config.max_position_embeddings
+        # Without max_tokens, chat's default is the rest of the context: min_tokens is checked
+        # against that, once the prompt's length is known.
+        params = self._sampling(request.sampling, limit if rest_of_context else None)
         token_ids = self._tokens(request)  # after every check that needs no tokenizer
         self._check_ids("prompt_token_ids", token_ids)
-        limit = self.model_config.max_position_embeddings
         if rest_of_context and not request.sampling.HasField("max_tokens"):
             params = dataclasses.replace(params, max_tokens=max(1, limit - len(token_ids)))
         total = len(token_ids) + params.max_tokens
@@ -128,10 +130,11 @@ class Frontend:
             raise ValueError(f"model {model!r} is not served here; this cluster serves "
                              f"{self.model_name!r}")
 
-    def _sampling(self, options: pb.SamplingOptions) -> SamplingParams:
+    def _sampling(self, options: pb.SamplingOptions, default_max_tokens: int | None = None
+                  ) -> SamplingParams:
         try:
             check_sampling(options.temperature)  # before top_p 0 makes it greedy
-            params = sampling_from_proto(options)
+            params = sampling_from_proto(options, default_max_tokens or DEFAULT_MAX_TOKENS)
         except ValueError as exc:
             message = str(exc)
             raise ValueError(message if message.startswith("sampling.")

@@ -61,10 +61,17 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     join the prompt and count against max_tokens (greedy output is unchanged by the move)."""
     if attempt == 1:
         return job
+    if emitted and job.params.structured_output is not None:
+        # Its tokens so far would join the prompt and the constraint would start over.
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, "the worker serving this request was "
+                          "lost after its first tokens; a request under structured_output "
+                          "cannot continue elsewhere")
     # Tokens already streamed went out with the prompt's logprobs: the continuation's longer
-    # prompt needs none.
-    params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - len(emitted),
-                                 prompt_logprobs=None if emitted else job.params.prompt_logprobs)
+    # prompt needs none; they count against max_tokens and min_tokens.
+    params = dataclasses.replace(
+        job.params, max_tokens=job.params.max_tokens - len(emitted),
+        min_tokens=max(0, job.params.min_tokens - len(emitted)),
+        prompt_logprobs=None if emitted else job.params.prompt_logprobs)
     return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
                                token_ids=job.token_ids + emitted, params=params)
 

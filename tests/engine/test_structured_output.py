@@ -67,6 +67,19 @@ def test_a_constraint_the_compiler_cannot_express_is_refused(smol):
         StructuredOutput("choice", "[]")
 
 
+def test_choices_beyond_ascii_min_tokens_and_a_rejected_token(smol):
+    choices = ["\U0001F600 yes", "n\u00e9e"]
+    out = smol.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=20,
+        structured_output=StructuredOutput("choice", json.dumps(choices))))[0]
+    assert out.text in choices and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_output=CONSTRAINTS[3])
+    book = smol.engine.runner.grammars  # a token the constraint forbids: False, matcher gone
+    request = smol.engine.new_request([1, 2], SamplingParams(structured_output=CONSTRAINTS[1]),
+                                      "x")
+    assert not book.accept(request, smol.tokenizer.encode("abc")[0]) and len(book) == 0
+
+
 def test_constrained_requests_step_synchronously_under_async_scheduling(default_model_dir):
     outputs = []
     for on in (False, True):

@@ -110,6 +110,14 @@ def test_an_invalid_json_schema_is_refused_by_the_router_naming_where(frontend):
         structured_output=pb.StructuredOutput()))
 
 
+def test_chat_min_tokens_without_max_tokens_counts_against_the_rest_of_the_context(frontend):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_tokens": 32}
+    job = frontend.parse(parse(body, True, MODEL).request, 0.0, rest_of_context=True)
+    assert job.params.min_tokens == 32 and job.params.max_tokens > 32
+    assert "min_tokens must be in [0, max_tokens=16]" in refusal(
+        frontend, grpc_request(min_tokens=32))  # gRPC's default stays 16
+
+
 def test_top_p_zero_is_greedy_on_both_front_doors(frontend):
     grpc_job = frontend.parse(grpc_request(temperature=1.0, top_p=0.0, seed=3), 0.0)
     http_job = frontend.parse(parse({"model": MODEL, "prompt": "hello", "temperature": 1,

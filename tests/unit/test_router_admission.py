@@ -8,12 +8,13 @@ import time
 
 import pytest
 
-from engine.request import SamplingParams
+from engine.request import SamplingParams, StructuredOutput
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.lenient import MAX_REQUEST_BYTES, Unparsable, find_bad_utf8, lenient
 from router.frontdoor.validation import Job
 from router.policy.admission import Admission, LeftQueue, QueueFull
 from router.policy.placement import Suspects
+from router.request.calls import RouterError
 from router.request.events import continuation as _continuation
 
 
@@ -95,6 +96,14 @@ def test_continuation_moves_streamed_tokens_into_the_prompt():
     moved = _continuation(job, [7, 8, 9], 2)
     assert moved.token_ids == [1, 2, 3, 7, 8, 9] and moved.params.max_tokens == 7
     assert moved.worker_request_id == "r#1.2" and moved.request_id == "r"
+    at_least = Job("r", "r#1", [1], SamplingParams(max_tokens=10, min_tokens=6, prompt_logprobs=2))
+    moved = _continuation(at_least, [7, 8], 2)
+    assert (moved.params.min_tokens, moved.params.prompt_logprobs) == (4, None)
+    constrained = Job("r", "r#1", [1], SamplingParams(max_tokens=10, structured_output=(
+        StructuredOutput("json_object"))))
+    assert _continuation(constrained, [], 2).params == constrained.params  # nothing streamed
+    with pytest.raises(RouterError, match="cannot continue elsewhere"):
+        _continuation(constrained, [7], 2)
 
 
 def test_invalid_utf8_is_located_by_field_path():

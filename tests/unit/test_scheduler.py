@@ -215,3 +215,30 @@ def test_eos_and_stop_token_ids_finish_with_stop():
     run_all(s)
     assert r.output_token_ids == [first] and r.finish_reason is FinishReason.STOP
     assert r.stop_reason == first
+
+
+def test_prompts_asking_for_logprobs_share_one_steps_worth_of_logit_rows():
+    """Each such position is a row of logits over the vocabulary: all of them together get at
+    most PROMPT_LOGPROBS_CHUNK positions a step, and every request still finishes with its
+    expected output."""
+    from engine.scheduler import PROMPT_LOGPROBS_CHUNK
+
+    scheduler = make_scheduler(num_blocks=2048, block_size=16, budget=4096, max_seqs=8)
+    prompts = {f"lp{i}": list(range(100 + i, 100 + i + 400)) for i in range(3)}
+    for rid, prompt in prompts.items():
+        scheduler.add(make_request(rid, prompt, max_tokens=3, prompt_logprobs=0))
+    scheduler.add(make_request("plain", list(range(7, 607)), max_tokens=3))
+    steps = run_all(scheduler)
+    for out in steps:
+        rows = sum(s.num_tokens for s in out.scheduled
+                   if s.request.params.prompt_logprobs is not None and s.num_tokens > 1)
+        assert rows <= PROMPT_LOGPROBS_CHUNK
+    assert sum(s.num_tokens for s in steps[0].scheduled) == PROMPT_LOGPROBS_CHUNK
+    prompts["plain"] = list(range(7, 607))
+    for rid, prompt in prompts.items():
+        assert scheduler_output(steps, rid) == expected_output(prompt, 3)
+
+
+def scheduler_output(steps: list, rid: str) -> list[int]:
+    request = next(s.request for out in steps for s in out.scheduled if s.request.request_id == rid)
+    return request.output_token_ids

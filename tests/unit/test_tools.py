@@ -37,6 +37,13 @@ def test_refusals_name_the_problem(tools, choice, words):
         plan(tools, choice, False)
 
 
+def test_a_tool_without_a_function_name_is_refused_not_a_crash():
+    for tools in ([{"type": "function"}], [{"type": "function", "function": {"name": 3}}],
+                  ["get_weather"]):
+        with pytest.raises(ValueError, match=r"tools\[0\] must be"):
+            plan(tools, "required", False)
+
+
 def test_calls_from_a_whole_output():
     assert ToolPlan("named", "get_weather").calls('{"city": "Paris"}')[1][0].arguments == \
         '{"city": "Paris"}'
