@@ -53,11 +53,13 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             if request.HasField("first_token_id"):
                 first_lp = (logprob_from_proto(request.first_logprob)
                             if request.HasField("first_logprob") else None)
-                admission_s, outputs = self.worker.admit(rid, request.first_token_id, first_lp)
+                admission_s, outputs = self.worker.admit(rid, request.first_token_id, first_lp,
+                                                         request.forks)
             else:
                 self.gate.check_new(context, "Decode")
                 outputs = self.worker.generate(rid, list(request.prompt_token_ids),
-                                               sampling_from_proto(request.sampling))
+                                               sampling_from_proto(request.sampling),
+                                               request.forks, request.fork_of)
         except KeyError as exc:
             self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
@@ -87,6 +89,7 @@ def _chunk(output: RequestOutput) -> pb.TokenChunk:
     chunk = pb.TokenChunk(token_ids=output.new_token_ids)
     if len(output.token_ids) == len(output.new_token_ids):  # the first chunk
         chunk.cached_tokens = output.num_cached_tokens
+        chunk.forked = output.forked
         chunk.queue_s = output.queue_s or 0.0
         chunk.prefill_s = (output.ttft_s or 0.0) - chunk.queue_s
         # computed here only for a whole generation (an admitted one's came from its prefill)

@@ -96,15 +96,18 @@ class DecodeWorker:
 
         return self.loop.call(run, COMMAND_TIMEOUT_S)
 
-    def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None
-              ) -> tuple[float, Iterator[RequestOutput]]:
+    def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None,
+              forks: int = 0) -> tuple[float, Iterator[RequestOutput]]:
         """Start decoding a request whose KV arrived: the seconds until it joined the batch
-        (the loop finishing its step), and its outputs (first token first)."""
+        (the loop finishing its step), and its outputs (first token first). `forks`: samples
+        of its prompt that will fork from its KV (its prompt's blocks are held for them)."""
+        _check_forks(forks)
         outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         called = time.monotonic()
 
         def run(engine: LLMEngine) -> None:
             request = self.table.take_ready(request_id)
+            request.forks_expected = forks
             self.loop.sinks[request_id] = outputs.put
             first = engine.admit_prefilled(request, first_token, logprobs)
             if first.finished:  # the caller already has the first token; only the end is news
@@ -114,14 +117,22 @@ class DecodeWorker:
         return time.monotonic() - called, _drain(outputs)
 
     # ---- colocated path --------------------------------------------------------------------
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams
-                 ) -> Iterator[RequestOutput]:
-        """The whole generation on this worker (prefill + decode): the colocated baseline."""
+    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 forks: int = 0, fork_of: str = "") -> Iterator[RequestOutput]:
+        """The whole generation on this worker (prefill + decode): the colocated baseline.
+        `forks`: samples of its prompt that will fork from it; `fork_of`: this is such a sample,
+        of that request's prompt (engine.forks) — it prefills the prompt itself when nothing is
+        held for it."""
+        _check_forks(forks)
         outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)
+            request.forks_expected = forks
+            if fork_of and engine.fork(request, fork_of):
+                self.loop.sinks[request_id] = outputs.put
+                return
             check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
             self.loop.sinks[request_id] = outputs.put
             engine.scheduler.add(request)
@@ -153,6 +164,14 @@ class DecodeWorker:
         for connector in self.receivers:
             connector.close()
         self.loop.stop()
+
+
+MAX_FORKS = 1023  # samples forking from one prompt (the router sends at most MAX_CHOICES - 1)
+
+
+def _check_forks(forks: int) -> None:
+    if forks > MAX_FORKS:
+        raise ValueError(f"forks must be <= {MAX_FORKS}, got {forks}")
 
 
 STALL_TIMEOUT_S = 300.0  # no output for this long means the loop is stuck: give up

@@ -171,6 +171,17 @@ class BlockManager:
         request.block_ids.extend(sorted(self._take_evictable() for _ in range(needed - have)))
         return True
 
+    def share(self, request: Request, block_ids: Sequence[int]) -> None:
+        """Give `request` a reference on blocks another holder already holds (a fork of a
+        prompt: engine.forks); they count as its first blocks."""
+        if request.block_ids:
+            raise RuntimeError(f"request {request.request_id} already holds blocks")
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count <= 0:
+                raise RuntimeError(f"block {block_id} is not held: nothing to share")
+            self._ref(block_id)
+        request.block_ids.extend(block_ids)
+
     def free(self, request: Request) -> None:
         """Release every block of the request. Tail blocks are freed first so that, among the
         request's cached blocks, the prefix is evicted last."""

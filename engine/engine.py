@@ -36,6 +36,7 @@ class RequestOutput:
     # before it (None at position 0); the request's own list, complete from the first token on
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
+    forked: bool = False  # computed none of its prompt: it forked from a sample's (engine.forks)
     ttft_s: float | None = None  # arrival → first token
     latency_s: float | None = None  # arrival → finish
     queue_s: float | None = None  # arrival → its first step (the rest of ttft_s is compute)
@@ -163,10 +164,21 @@ class LLMEngine:
         request.num_computed_tokens = request.num_prompt_tokens
         self.block_manager.cache_full_blocks(request)
         text = request.append_token(first_token, logprobs)
+        self.scheduler.forks.hold(request)  # for the samples that fork from it, if any
         self.scheduler.add_running(request)
         if request.check_stop(text):
             self.scheduler.finish(request, request.finish_reason)
         return self._output(request, [first_token])
+
+    def fork(self, request: Request, source_id: str) -> bool:
+        """Admit `request`, a sample of the prompt of `source_id`, on that prompt's KV (shared
+        blocks, the last one copied: engine.forks); False (nothing changed) when it cannot
+        fork, and the caller adds it as a request of its own."""
+        copies = self.scheduler.add_forked(request, source_id)
+        if copies is None:
+            return False
+        self.runner.copy_blocks(copies)
+        return True
 
     def detach(self, request_id: str) -> Request:
         """Stop scheduling a request but keep its blocks (its KV is being shipped)."""
@@ -265,6 +277,7 @@ class LLMEngine:
             prompt_logprobs=(request.prompt_logprobs or [None] * request.num_prompt_tokens)
             if request.params.prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
+            forked=request.forked,
             ttft_s=None if first is None else first - request.arrival_time,
             latency_s=now - request.arrival_time if request.is_finished else None,
             queue_s=None if request.first_scheduled_time is None

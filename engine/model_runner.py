@@ -169,6 +169,20 @@ class ModelRunner:
             done.record(torch.cuda.current_stream(self.device))
         return LaunchedStep(step, samples, prompt, done)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer: a forked sample's own copy
+        of the block its prompt ends in (engine.forks). Done when this returns: the source block
+        may be freed right after, and a peer's KV write (on its own stream, by IPC) could then
+        land in it."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        cache = self.kv_buffer.tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        cache.index_copy_(2, dst, cache.index_select(2, src))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def wait_idle(self) -> None:
         """Wait until every step queued on the device has run (best effort: after a failure)."""
         if self.device.type == "cuda":

@@ -212,6 +212,10 @@ class Request:
     # the next step is scheduled before they are read; its inputs take them on the device).
     num_pending: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    # Samples of the same prompt that will fork from this request (engine.forks): its prompt's
+    # blocks are held for them once the prompt is computed
+    forks_expected: int = 0
+    forked: bool = False  # this request forked from another's prompt (it computed none of it)
     # params.prompt_logprobs set: position p's entry is prompt token p's logprobs given the tokens
     # before it (position 0 has none); filled as the prompt's chunks compute
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)

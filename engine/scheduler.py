@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.forks import ForkSources
 from engine.queue_order import running_order, waiting_order
 from engine.request import FinishReason, Request, RequestStatus
 
@@ -84,6 +85,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self._held: list[Request] = []
         self._logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (PROMPT_LOGPROBS_CHUNK)
+        self.forks = ForkSources(block_manager, clock)  # prompts held for samples that fork
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -101,6 +103,26 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
+
+    def add_forked(self, fork: Request, source_id: str) -> list[tuple[int, int]] | None:
+        """Admit `fork` (a sample of the same prompt) on the prompt KV of `source_id`
+        (engine.forks): it runs from the next step on, computing only its prompt's last position.
+        Returns the block copies to make first; None (nothing changed) when it cannot fork."""
+        if fork.request_id in self.requests:
+            raise ValueError(f"request_id {fork.request_id!r} is already in use")
+        copies = self.forks.take(source_id, fork)
+        if copies is None:
+            return None
+        fork.forked = True
+        fork.status = RequestStatus.RUNNING
+        self.requests[fork.request_id] = fork
+        self.running.append(fork)
+        return copies
+
+    def block_holders(self) -> list[Request]:
+        """Everything that holds blocks: live requests, finished ones a step in flight still
+        holds, and fork sources (what BlockManager.check_integrity counts)."""
+        return list(self.requests.values()) + self._held + self.forks.holders()
 
     def detach(self, request_id: str) -> Request:
         """Take a running request out of scheduling but keep its blocks: a prefill worker ships
@@ -136,6 +158,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._logprob_rows_left = PROMPT_LOGPROBS_CHUNK
+        if self.forks:
+            self.forks.expire()
         now = self.clock()
         first, later = running_order(self.running, self.waiting, self.config, now)
         budget = self._schedule_running(out, first, self.config.max_num_batched_tokens)
@@ -176,6 +200,8 @@ class Scheduler:
         victims already scheduled this step (possible only when short_first reorders the pass)."""
         refund = 0
         while not self.block_manager.allocate_slots(request, num):
+            if self.forks.release_oldest():  # held prompts give way before running requests
+                continue
             victim = self.running[-1]  # the newest request gives way
             self._preempt(victim)
             out.preempted.append(victim)
@@ -211,7 +237,7 @@ class Scheduler:
             # Head of line: never skip past a request that does not fit (or, asking for prompt
             # logprobs, finds the step's share of them spent), so big ones cannot starve by
             # being passed over forever.
-            if num <= 0 or not bm.allocate_slots(request, num, hits):
+            if num <= 0 or not self._allocate_waiting(request, num, hits):
                 break
             if request.num_preemptions == 0:
                 bm.record_prefix_lookup(request.num_prompt_tokens, num_hit)
@@ -225,6 +251,14 @@ class Scheduler:
         if admitted:
             self._drop_admitted()
         return budget
+
+    def _allocate_waiting(self, request: Request, num: int, hits: list[int]) -> bool:
+        """Blocks for a waiting request's chunk, giving up held prompts (engine.forks) if that is
+        what it takes."""
+        while not self.block_manager.allocate_slots(request, num, hits):
+            if not self.forks.release_oldest():
+                return False
+        return True
 
     def _drop_admitted(self) -> None:  # in place: callers may hold `scheduler.waiting`
         kept = [r for r in self.waiting if r.status is RequestStatus.WAITING]
@@ -287,6 +321,8 @@ class Scheduler:
             token = sampled[i]
             if token is not None:
                 text = request.append_token(token, logprobs[i] if logprobs else None)
+                if request.forks_expected:  # its prompt is computed: its samples fork from it
+                    self.forks.hold(request)
             # After the append: under async scheduling the computed positions may already
             # include this token's (the next step is running), and block keys need its id.
             self.block_manager.cache_full_blocks(request)

@@ -1,5 +1,6 @@
 """The choices of one request (a batch of prompts x n samples): each runs as its own
-generation (`expand`); for the HTTP API their responses are read together, in arrival order for
+generation (`expand`), the samples of a prompt forking from the first one's KV
+(`choice_forks`); for the HTTP API their responses are read together, in arrival order for
 a stream or whole for a JSON reply, and their usage is added up (a prompt counted once however
 many samples it has)."""
 
@@ -14,6 +15,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import MAX_CHOICES
 from router.frontdoor.tools import AutoStream, ToolCall, ToolPlan
 from router.request.calls import RouterError
+from router.request.forks import ForkRole, fork_roles
 
 END = object()  # a choice's responses are over
 
@@ -59,6 +61,17 @@ def expand_grpc(request: pb.GenerateRequest) -> list[pb.GenerateRequest]:
         named.request_id = f"gen-{uuid.uuid4().hex[:12]}"
         request = named
     return expand(request, prompts, max(1, request.n))
+
+
+def choice_forks(n: int, sampling: pb.SamplingOptions, num_choices: int
+                 ) -> list[ForkRole | None]:
+    """The part of each of `expand`'s `num_choices` choices among the `n` samples of its prompt:
+    the first sample prefills and the others fork from its KV (router.request.forks) — unless
+    the prompt's logprobs are asked for, which only a whole prefill computes."""
+    n = max(1, n)
+    if n == 1 or sampling.HasField("prompt_logprobs"):
+        return [None] * num_choices
+    return fork_roles(num_choices // n, n)
 
 
 @dataclass(frozen=True)

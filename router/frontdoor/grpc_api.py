@@ -3,6 +3,7 @@ lives in the Frontend (validation), the Orchestrator and the PlacementPolicy."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,7 +17,7 @@ from common.grpc_server import call_budget_s
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.fleet.registry_service import ROLE_TO_PROTO
-from router.frontdoor.choices import expand_grpc
+from router.frontdoor.choices import choice_forks, expand_grpc
 from router.frontdoor.detokenizer import IncrementalText
 from router.frontdoor.lenient import Unparsable, lenient
 from router.frontdoor.request_log import RequestLog, RequestRecord
@@ -26,6 +27,7 @@ from router.policy.admission import Admission, LeftQueue, QueueFull
 from router.policy.placement import PlacementPolicy
 from router.request.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
 from router.request.events import Finished, Tokens
+from router.request.forks import ForkRole
 from router.request.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
         context.add_callback(scope.cancel)
         records = [RequestRecord("grpc") for _ in choices]
+        forks = choice_forks(request.n, request.sampling, len(choices))
         merged: queue.Queue = queue.Queue()
         for index, (choice, record) in enumerate(zip(choices, records)):
-            threading.Thread(target=self._run_choice, args=(index, choice, scope, record, merged),
+            threading.Thread(target=self._run_choice,
+                             args=(index, choice, scope, record, merged, forks[index]),
                              name=f"choice-{index}", daemon=True).start()
         try:
             for item in _until_all_end(merged, len(choices), scope):
@@ -88,9 +92,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self.requests.finish(record, scope.expired())
 
     def _run_choice(self, index: int, choice: pb.GenerateRequest, scope: CallScope,
-                    record: RequestRecord, merged: queue.Queue) -> None:
+                    record: RequestRecord, merged: queue.Queue, fork: ForkRole | None) -> None:
         try:
-            for response in self.stream(choice, scope, record):
+            for response in self.stream(choice, scope, record, fork=fork):
                 response.index = index
                 merged.put(response)
         except RouterError as exc:
@@ -100,14 +104,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                record: RequestRecord, on_accepted: Callable[[Job], None] | None = None,
-               rest_of_context: bool = False) -> Iterator[pb.GenerateResponse]:
+               rest_of_context: bool = False, fork: ForkRole | None = None
+               ) -> Iterator[pb.GenerateResponse]:
         """A request's responses, whatever the front end (gRPC here, HTTP in http_api):
         RouterError ends it with a status; `scope` carries its deadline and cancellation;
         `record` learns how it ended; `on_accepted` hears when it leaves the router's queue
         for a slot (the HTTP API then sends its status and headers); `rest_of_context`:
-        without max_tokens, generate up to the model's context (OpenAI chat's default)."""
+        without max_tokens, generate up to the model's context (OpenAI chat's default);
+        `fork`: its part among the samples of its prompt (router.request.forks)."""
         try:
-            yield from self._accept(request, scope, record, on_accepted, rest_of_context)
+            yield from self._accept(request, scope, record, on_accepted, rest_of_context, fork)
         except RouterError as exc:
             record.failed(exc.code, exc.message)
             raise
@@ -115,10 +121,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             log.exception("request %s failed", record.request_id)
             record.failed(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
             raise RouterError(grpc.StatusCode.INTERNAL, f"internal error: {exc}") from exc
+        finally:
+            if fork is not None and fork.leads:  # never published: its samples go on alone
+                fork.group.give_up()
 
     def _accept(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                 record: RequestRecord, on_accepted: Callable[[Job], None] | None,
-                rest_of_context: bool) -> Iterator[pb.GenerateResponse]:
+                rest_of_context: bool, fork: ForkRole | None) -> Iterator[pb.GenerateResponse]:
         arrival = record.arrival
         if isinstance(request, Unparsable):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
@@ -131,6 +140,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as exc:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         record.request_id, record.prompt_tokens = job.request_id, len(job.token_ids)
+        if fork is not None:
+            job = dataclasses.replace(job, fork=fork)
+            if not fork.leads:  # before its slot: the leader must never wait behind it
+                fork.group.wait(scope)
         self._enter(scope, len(job.token_ids))
         try:
             if on_accepted is not None:

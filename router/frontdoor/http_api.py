@@ -34,10 +34,19 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role
 from router.frontdoor import openai_codec as wire
 from router.frontdoor import tokenize_api as tokens
-from router.frontdoor.choices import END, Choice, Echo, collect, merged, total_usage
+from router.frontdoor.choices import (
+    END,
+    Choice,
+    Echo,
+    choice_forks,
+    collect,
+    merged,
+    total_usage,
+)
 from router.frontdoor.grpc_api import GenerationServicer
 from router.frontdoor.request_log import RequestRecord
 from router.request.calls import CallScope, RouterError
+from router.request.forks import ForkRole
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.frontdoor.limits
@@ -171,8 +180,9 @@ class HttpApi:
                       records: list[RequestRecord]) -> web.StreamResponse:
         # Chat without a max: the rest of the context (what vLLM does).
         rest_of_context = api.chat and not api.max_tokens_given
-        runs = [self._run(request, scope, record, rest_of_context)
-                for request, record in zip(api.all_choices, records)]
+        forks = choice_forks(api.n, api.request.sampling, len(api.all_choices))
+        runs = [self._run(request, scope, record, rest_of_context, fork)
+                for request, record, fork in zip(api.all_choices, records, forks)]
         firsts = await asyncio.gather(*(anext(run) for run in runs))
         failed = next((f for f in firsts if isinstance(f, RouterError)), None)
         if failed is not None:
@@ -206,8 +216,8 @@ class HttpApi:
                     self.frontend.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
 
     async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
-                   rest_of_context: bool) -> AsyncIterator[Accepted | pb.GenerateResponse
-                                                           | RouterError]:
+                   rest_of_context: bool, fork: ForkRole | None = None
+                   ) -> AsyncIterator[Accepted | pb.GenerateResponse | RouterError]:
         """The request's responses from a thread driving GenerationServicer.stream, preceded by
         Accepted when it gets a slot; a RouterError ends them. The prompt is tokenized there,
         off the event loop, so a large one holds up no other request's stream."""
@@ -220,7 +230,7 @@ class HttpApi:
             try:
                 accepted = lambda job: put(Accepted(job.token_ids))  # noqa: E731
                 for response in self.servicer.stream(request, scope, record, accepted,
-                                                     rest_of_context=rest_of_context):
+                                                     rest_of_context=rest_of_context, fork=fork):
                     put(response)
             except RouterError as exc:
                 put(exc)

@@ -30,6 +30,7 @@ from router.frontdoor.limits import (
 )
 from router.frontdoor.tools import ToolPlan
 from router.frontdoor.tools import plan as tools_plan
+from router.request.forks import ForkRole
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Job:
     params: SamplingParams
     arrival: float = 0.0
     tools: ToolPlan | None = None  # tool_choice set: how the output becomes tool calls
+    fork: ForkRole | None = None  # one of n samples of its prompt (router.request.forks)
 
 
 class Frontend:

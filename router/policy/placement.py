@@ -198,6 +198,14 @@ class PlacementPolicy:
             self._pending_blocks[best.worker_id] += need
         return best, Charge(best.worker_id, blocks=need)
 
+    def charge_decode(self, worker: Worker, total_tokens: int) -> Charge:
+        """Count the blocks of a request given to a decode worker outside place_decode (a sample
+        forking from another's prompt there)."""
+        need = -(-total_tokens // worker.block_size)
+        with self._lock:
+            self._pending_blocks[worker.worker_id] += need
+        return Charge(worker.worker_id, blocks=need)
+
     def charge_prefill(self, worker: Worker, prompt_tokens: int) -> Charge:
         """Count prefill work given to a worker outside place_prefill (a local prefill)."""
         with self._lock:

@@ -32,7 +32,7 @@ class Finished:
     kv_transport: str = ""
     prefill_started: float = 0.0
     attempts: int = 1
-    prefill_site: str = ""  # remote, local or colocated (the last attempt's)
+    prefill_site: str = ""  # remote, local, colocated or fork (the last attempt's)
     # Where the time to the first token went (pb.Timings), as the workers report it:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
@@ -50,6 +50,8 @@ class Finished:
         """A decode stream's first chunk: a whole generation's cache hit, queue and compute, or
         an admitted request's admission."""
         self.cached_tokens = self.cached_tokens or chunk.cached_tokens
+        if chunk.forked:  # a sample of n that started from another's prompt KV
+            self.prefill_site = "fork"
         if whole:
             self.prefill_queue_s, self.prefill_compute_s = chunk.queue_s, chunk.prefill_s
         else:
@@ -61,6 +63,9 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     join the prompt and count against max_tokens (greedy output is unchanged by the move)."""
     if attempt == 1:
         return job
+    # A retry keeps leading its samples while its prompt is unchanged; a sample that was to
+    # fork retries as a generation of its own (router.request.forks).
+    fork = job.fork if job.fork is not None and job.fork.leads and not emitted else None
     if emitted and job.params.structured_output is not None:
         # Its tokens so far would join the prompt and the constraint would start over.
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "the worker serving this request was "
@@ -73,7 +78,7 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
         min_tokens=max(0, job.params.min_tokens - len(emitted)),
         prompt_logprobs=None if emitted else job.params.prompt_logprobs)
     return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
-                               token_ids=job.token_ids + emitted, params=params)
+                               token_ids=job.token_ids + emitted, params=params, fork=fork)
 
 
 def decode_events(worker_id: str, call: Iterator[pb.TokenChunk], message: pb.DecodeRequest,

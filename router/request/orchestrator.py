@@ -25,6 +25,7 @@ from router.policy.placement import Charge, PlacementPolicy, Suspects
 from router.policy.prefill_site import PrefillSitePolicy
 from router.request.calls import CallScope, LostWorkers, RouterError
 from router.request.events import Finished, Tokens, continuation, decode_events
+from router.request.forks import ForkSource
 from router.request.transfer_secret import transfer_secret
 from router.request.worker_client import WorkerStubs
 
@@ -71,12 +72,21 @@ class Orchestrator:
                     raise
                 if exc.suspect:
                     suspects.add(exc.suspect)
+                if emitted and job.fork is not None:  # its continuation holds no prompt
+                    job.fork.group.give_up()
                 (self.metrics.migrations if emitted else self.metrics.retries).inc()
                 log.warning("request %s: %s; %s (attempt %d)", job.request_id, exc.message,
                             "migrating" if emitted else "retrying", attempt + 1)
 
     def _attempt(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished
                  ) -> Iterator[Tokens | Finished]:
+        forked = self._fork_site(part, scope, suspects)
+        if forked is not None:  # a sample of n: from the first sample's prompt, where it is
+            worker, source_id = forked
+            charge = self.placement.charge_decode(worker, len(part.token_ids)
+                                                  + part.params.max_tokens)
+            yield from self._whole(part, worker, charge, scope, end, "fork", fork_of=source_id)
+            return
         keys = self.placement.keys(part.token_ids)
         if self._exists(Role.PREFILL) and self._exists(Role.DECODE):
             yield from self._disaggregated(part, scope, suspects, end, keys)
@@ -88,6 +98,38 @@ class Orchestrator:
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
                               "no healthy workers: need a prefill and a decode worker, or a "
                               "colocated one")
+
+    def _fork_site(self, part: Job, scope: CallScope, suspects: Suspects
+                   ) -> tuple[Worker, str] | None:
+        """For a sample that forks (router.request.forks): the worker holding its prompt and the
+        leader's id there, when the leader published one and that worker is still placeable."""
+        fork = part.fork
+        if fork is None or fork.leads:
+            return None
+        source = fork.group.wait(scope)  # settled already when the front door waited
+        if source is None or source.worker_id in suspects.current():
+            return None
+        roles = (Role.DECODE, Role.COLOCATED)
+        worker = next((w for w in self.registry.placeable(lambda r: r in roles)
+                       if w.worker_id == source.worker_id), None)
+        return None if worker is None else (worker, source.request_id)
+
+    @staticmethod
+    def _leading(part: Job, worker: Worker, message: pb.DecodeRequest,
+                 on_first: Callable[[], None] | None) -> Callable[[], None] | None:
+        """A leader's Decode asks the worker to hold its prompt for its samples, and its first
+        chunk (the prompt is held by then) tells them where (router.request.forks)."""
+        fork = part.fork
+        if fork is None or not fork.leads:
+            return on_first
+        message.forks = fork.group.followers
+
+        def first() -> None:
+            fork.group.publish(ForkSource(worker.worker_id, message.request_id))
+            if on_first is not None:
+                on_first()
+
+        return first
 
     def _exists(self, role: Role) -> bool:
         return bool(self.registry.placeable(lambda r: r is role))
@@ -146,6 +188,8 @@ class Orchestrator:
                          [first.first_logprob] if first.HasField("first_logprob") else [],
                          list(first.prompt_logprobs))
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                if part.fork is not None:  # no Decode: its prompt is held nowhere
+                    part.fork.group.give_up()
                 done = True
                 self._abort_all(holders, part)  # free the reservation nobody will use
                 end.finish_reason, end.stop_reason = first.finish_reason, first.stop_reason
@@ -155,7 +199,8 @@ class Orchestrator:
                                        first_token_id=first.first_token_id)
             if first.HasField("first_logprob"):
                 message.first_logprob.CopyFrom(first.first_logprob)
-            for item in self._stream(decode, message, scope, end):
+            for item in self._stream(decode, message, scope, end,
+                                     self._leading(part, decode, message, None)):
                 done = isinstance(item, Finished)
                 yield item
         finally:
@@ -234,14 +279,17 @@ class Orchestrator:
 
     # ---- one worker prefills and decodes -----------------------------------------------------
     def _whole(self, part: Job, worker: Worker, charge: Charge, scope: CallScope, end: Finished,
-               kind: str, prefill_charge: Charge | None = None) -> Iterator[Tokens | Finished]:
-        """The whole generation on one worker: a colocated one, or a decode worker prefilling
-        the prompt itself (conditional disaggregation). Its charges end at the first token."""
+               kind: str, prefill_charge: Charge | None = None, fork_of: str = ""
+               ) -> Iterator[Tokens | Finished]:
+        """The whole generation on one worker: a colocated one, a decode worker prefilling the
+        prompt itself (conditional disaggregation), or a sample of n forking from the first
+        sample's prompt there (`fork_of`; its first chunk says whether it could). Its charges
+        end at the first token."""
         end.prefill_started = end.prefill_started or time.monotonic()
-        end.prefill_site = "local" if kind == "decode" else kind
+        end.prefill_site = "local" if kind in ("decode", "fork") else kind
         message = pb.DecodeRequest(request_id=part.worker_request_id,
                                    prompt_token_ids=part.token_ids,
-                                   sampling=sampling_to_proto(part.params))
+                                   sampling=sampling_to_proto(part.params), fork_of=fork_of)
 
         charges = [c for c in (charge, prefill_charge) if c is not None]
 
@@ -250,8 +298,13 @@ class Orchestrator:
                 self.placement.release(charges.pop())
 
         done = False
+        counted = kind != "fork"  # a sample's site is known at its first chunk
         try:
-            for item in self._stream(worker, message, scope, end, on_first=release):
+            for item in self._stream(worker, message, scope, end,
+                                     self._leading(part, worker, message, release)):
+                if not counted:
+                    self.metrics.prefill_sites.labels(end.prefill_site, "sample of n").inc()
+                    counted = True
                 done = isinstance(item, Finished)
                 yield item
         finally:

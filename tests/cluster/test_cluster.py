@@ -195,3 +195,25 @@ def test_prompt_logprobs_from_whichever_worker_computes_the_prompt(cluster, prom
         assert all(not p.prompt_logprobs for p in parts[1:])
         assert parts[-1].usage.cached_tokens == 0  # computed, not served from a cache
     wait_blocks_free(cluster)
+
+
+def test_n_samples_prefill_once_and_fork_on_the_decode_worker(cluster, prompts):
+    """n = 3: sample 0 is prefilled (locally or remotely, as the placement mode says) and the
+    others fork from its KV on its decode worker (Timings.prefill_site "fork"); each sample
+    equals the same request sent alone with seed + j, and no block stays held."""
+    for ids in (prompts[9], prompts[17][:600]):
+        request = greedy_request(ids, max_tokens=6)
+        request.sampling.temperature, request.sampling.seed = 1.0, 21
+        request.n = 3
+        with channel(cluster.address, router_ca(cluster)) as ch:
+            parts = list(pb_grpc.GenerationStub(ch).Generate(request, timeout=180))
+        last = {p.index: p for p in parts if p.finish_reason != pb.FINISH_REASON_UNSPECIFIED}
+        assert sorted(last) == [0, 1, 2]
+        assert last[0].timings.prefill_site in ("local", "remote")
+        assert [last[j].timings.prefill_site for j in (1, 2)] == ["fork", "fork"]
+        for j in range(3):
+            alone = greedy_request(ids, max_tokens=6)
+            alone.sampling.temperature, alone.sampling.seed = 1.0, 21 + j
+            tokens, _, _ = stream_tokens(cluster.address, alone, root_ca=router_ca(cluster))
+            assert [t for p in parts if p.index == j for t in p.token_ids] == tokens, j
+    assert all(w.free_blocks == w.total_blocks for w in wait_blocks_free(cluster))

@@ -121,10 +121,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model
     conn.close()
 
 
-def test_batches_of_prompts_and_n_samples_with_the_openai_client(client, model, tiny_llama_dir):
+def test_batches_of_prompts_and_n_samples_with_the_openai_client(client, model, tiny_llama_dir,
+                                                                 http_address):
     """Each prompt of a batch and each of n samples is a choice of its own, answered in order
     (index = prompt x n + sample), streamed interleaved with its index; the usage counts each
-    prompt once. (This cluster runs 2 requests at once and queues none: 2 choices at most.)"""
+    prompt once; sample j > 0 forks from sample 0's prompt KV and draws with seed + j. (This
+    cluster runs 2 requests at once and queues none: 2 choices at most.)"""
     from engine.tokenizer import Tokenizer
 
     single = [client.completions.create(model=model, prompt=p, max_tokens=5, temperature=0)
@@ -138,8 +140,13 @@ def test_batches_of_prompts_and_n_samples_with_the_openai_client(client, model, 
     by_ids = client.completions.create(model=model, prompt=[ids, ids[:2]], max_tokens=5,
                                        temperature=0)
     assert by_ids.choices[0].text == single[1].choices[0].text
+    forks_before = _forked_samples(http_address)
     seeded = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, seed=5,
                                        temperature=1.0)
+    assert _forked_samples(http_address) == forks_before + 1  # sample 1 forked from sample 0
+    second = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, seed=6,
+                                       temperature=1.0)
+    assert seeded.choices[1].text == second.choices[0].text
     alone = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, seed=5,
                                       temperature=1.0)
     assert seeded.choices[0].text == alone.choices[0].text
@@ -281,3 +288,10 @@ def test_grpc_tool_choice_holds_the_output_to_a_call_and_parses_it(cluster):
                                                       tool_choice=choice))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert words in refused.value.details()
+
+
+def _forked_samples(http_address: str) -> float:
+    from tests.cluster.cluster_helpers import scrape
+
+    return scrape(http_address).get(
+        "pdserve_router_prefill_sites_total{reason=sample of n,site=fork}", 0.0)

@@ -41,7 +41,7 @@ class FakeServicer:
         self.seen: list[pb.GenerateRequest] = []
 
     def stream(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
-               on_accepted=None, rest_of_context: bool = False
+               on_accepted=None, rest_of_context: bool = False, fork=None
                ) -> Iterator[pb.GenerateResponse]:
         self.seen.append(request)
         record.prompt_tokens = 3
