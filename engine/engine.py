@@ -110,6 +110,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("prompt must not be empty (0 tokens)")
+        if params.continued_tokens >= len(token_ids):
+            raise ValueError(f"continued_tokens ({params.continued_tokens}) must be less than the "
+                             f"prompt's {len(token_ids)} tokens")
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(
@@ -195,6 +198,9 @@ class LLMEngine:
 
     # ---- the step loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        counts = self.runner.token_counts
+        if len(counts) > len(self.scheduler.requests):  # some left: their rows are free again
+            counts.retain(self.scheduler.requests)
         if self.config.async_scheduling:
             # A constrained request's mask needs its previous token on the host: while one
             # runs, steps are synchronous (the step in flight is finished first).

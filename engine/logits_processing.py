@@ -3,9 +3,11 @@ and the repetition, frequency and presence penalties, as vLLM defines and orders
 min_tokens first, then the penalties; see SamplingParams). Only rows that ask for something are
 touched, so a batch without any costs nothing.
 
-The tokens a request has seen travel as one padded id matrix per step (built on the host from its
-prompt and output, plus any token a step still on the device sampled for it, taken there), turned
-into per-row counts with one scatter."""
+What the penalties count — the request's output (with the output of the request it continues,
+after a migration: `SamplingParams.continued_tokens`) and, for the repetition penalty, its
+prompt — is kept on the device across steps by engine.token_counts, each step adding only its new
+tokens; a token a step still on the device sampled is added there. Without that state (the
+reference the tests use) the history travels as one padded id matrix and one scatter."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.device_tensors import to_device
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
+from engine.token_counts import TokenCounts
 
 
 @dataclass
@@ -22,9 +25,11 @@ class RowHistory:
     """What one sampling row's processing needs beyond its SamplingParams."""
 
     prompt_token_ids: list[int]
-    output_token_ids: list[int]  # the ones the host knows
+    output_token_ids: list[int]  # the ones the host knows (with continued ones, if any)
     stop_token_ids: tuple[int, ...]  # masked before min_tokens: EOS (unless ignored) and stop ids
     pending_row: int | None = None  # row of a token sampled on the device, not yet on the host
+    request: Request | None = None  # whose TokenCounts row holds the history (the two lists
+    # above are then not read)
 
 
 def stop_ids_for_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ...]
@@ -35,10 +40,12 @@ def stop_ids_for_min_tokens(params: SamplingParams, eos_token_ids: tuple[int, ..
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
                    output_indices: list[int], histories: list[RowHistory | None],
-                   pending_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                   pending_tokens: torch.Tensor | None = None,
+                   token_counts: TokenCounts | None = None) -> torch.Tensor:
     """`logits` [n, vocab] float32 → the processed logits (a new tensor; `logits` is kept for
     logprobs, which are the model's own distribution). `pending_tokens`: the device tokens that
-    RowHistory.pending_row indexes."""
+    RowHistory.pending_row indexes; `token_counts`: the histories' state on the device (rows
+    whose RowHistory names its request)."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
@@ -48,7 +55,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
                       if output_indices[i] < params[i].min_tokens])
     penalized = [i for i in rows if params[i].penalizes_history]
     if penalized:
-        _apply_penalties(out, penalized, params, histories, pending_tokens)
+        _apply_penalties(out, penalized, params, histories, pending_tokens, token_counts)
     return out
 
 
@@ -74,14 +81,15 @@ def _mask_stops(out: torch.Tensor, rows: list[tuple[int, RowHistory | None]]) ->
 
 
 def _apply_penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                     histories: list[RowHistory | None],
-                     pending_tokens: torch.Tensor | None) -> None:
-    device, vocab = out.device, out.shape[1]
+                     histories: list[RowHistory | None], pending_tokens: torch.Tensor | None,
+                     token_counts: TokenCounts | None) -> None:
+    device = out.device
     found = [histories[i] for i in rows]
     if any(h is None for h in found):
         raise ValueError("a penalized sampling row has no token history")
     hist = [h for h in found if h is not None]
-    counts = _counts([h.output_token_ids for h in hist], vocab, device)
+    counts, seen_in_prompt = _history_counts(hist, [params[i] for i in rows], out.shape[1],
+                                             device, token_counts)
     pending = [(k, h.pending_row) for k, h in enumerate(hist) if h.pending_row is not None]
     if pending:
         if pending_tokens is None:
@@ -90,8 +98,6 @@ def _apply_penalties(out: torch.Tensor, rows: list[int], params: list[SamplingPa
         src = to_device([r for _, r in pending], torch.int64, device)
         counts.index_put_((at, pending_tokens.index_select(0, src)),
                           torch.ones(len(pending), device=device), accumulate=True)
-    seen_in_prompt = _counts([h.prompt_token_ids if params[i].repetition_penalty != 1.0 else []
-                              for i, h in zip(rows, hist)], vocab, device) > 0
     select = to_device(rows, torch.int64, device)
     x = out.index_select(0, select)
     rep = _column([params[i].repetition_penalty for i in rows], device)
@@ -100,6 +106,21 @@ def _apply_penalties(out: torch.Tensor, rows: list[int], params: list[SamplingPa
     x = x - _column([params[i].frequency_penalty for i in rows], device) * counts
     x = x - _column([params[i].presence_penalty for i in rows], device) * (counts > 0)
     out.index_copy_(0, select, x)
+
+
+def _history_counts(hist: list[RowHistory], params: list[SamplingParams], vocab: int,
+                    device: torch.device, token_counts: TokenCounts | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, vocab] counts of each row's output history (a fresh tensor: the caller adds pending
+    tokens to it) and [n, vocab] whether a token is in its prompt (repetition penalty only)."""
+    wants_prompt = [p.repetition_penalty != 1.0 for p in params]
+    requests = [h.request for h in hist]
+    if token_counts is not None and all(r is not None for r in requests):
+        return token_counts.gather([r for r in requests if r is not None], wants_prompt)
+    counts = _counts([h.output_token_ids for h in hist], vocab, device)
+    in_prompt = _counts([h.prompt_token_ids if wants else []
+                         for h, wants in zip(hist, wants_prompt)], vocab, device) > 0
+    return counts, in_prompt
 
 
 def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

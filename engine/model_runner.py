@@ -25,6 +25,7 @@ from engine.sampler import DeviceSamples, Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import HostBatch, batch_tensors, host_batch
 from engine.structured_output import GrammarBook
+from engine.token_counts import TokenCounts, output_history
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -98,6 +99,8 @@ class ModelRunner:
         self.attention = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler()
         self.grammars = GrammarBook(model_path, model_config.vocab_size)
+        # the penalties' token counts, per request on the device (engine.token_counts)
+        self.token_counts = TokenCounts(model_config.vocab_size, self.device)
         self.graphs: DecodeGraphs | None = None
         if self.attention.name == "triton" and self.device.type == "cuda":
             self._warm_up(model_config)
@@ -279,8 +282,10 @@ class ModelRunner:
         requests = [s.request for s in sampling_items]
         batch = SamplingBatch([r.params for r in requests], [r.num_output_tokens for r in requests],
                               [self._history(r, step) for r in requests], step.previous_tokens,
-                              self.grammars.bitmask([r if r.params.structured_output else None
-                                                     for r in requests], self.device))
+                              token_counts=self.token_counts,
+                              bitmask=self.grammars.bitmask([r if r.params.structured_output
+                                                             else None for r in requests],
+                                                            self.device))
         return self.sampler.sample(logits[:len(sampling_items)], batch), prompt
 
     @staticmethod
@@ -294,5 +299,7 @@ class ModelRunner:
             if step.previous_rows is None or request.request_id not in step.previous_rows:
                 raise RuntimeError("a pending token without the step that samples it")
             pending_row = step.previous_rows[request.request_id]
-        return RowHistory(request.prompt_token_ids, request.output_token_ids,
-                          stop_ids_for_min_tokens(params, request.eos_token_ids), pending_row)
+        output = output_history(request) if params.continued_tokens else request.output_token_ids
+        return RowHistory(request.prompt_token_ids, output,
+                          stop_ids_for_min_tokens(params, request.eos_token_ids), pending_row,
+                          request)

@@ -80,6 +80,11 @@ class SamplingParams:
     # whose positions have no logits)
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    # The prompt's last `continued_tokens` are the output of a request this one continues (the
+    # router's migration): the frequency and presence penalties count them as output, and a
+    # seeded request draws at their positions' offset, so the continuation samples as the
+    # request it continues would have. max_tokens and min_tokens are what is left.
+    continued_tokens: int = 0
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs
@@ -137,6 +142,9 @@ class SamplingParams:
                                  f"{self.MAX_LOGIT_BIAS:g}], got {value}")
         object.__setattr__(self, "logit_bias",
                            tuple(sorted((t, float(v)) for t, v in bias.items())))
+        _check_int("continued_tokens", self.continued_tokens)
+        if self.continued_tokens < 0:
+            raise ValueError(f"continued_tokens must be >= 0, got {self.continued_tokens}")
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "

@@ -16,6 +16,7 @@ from engine.device_tensors import to_device
 from engine.logits_processing import RowHistory, process_logits
 from engine.request import SamplingParams
 from engine.structured_output import apply_bitmask
+from engine.token_counts import TokenCounts
 
 _MASK64 = (1 << 63) - 1
 
@@ -34,6 +35,7 @@ class SamplingBatch:
     # processes logits.
     histories: list[RowHistory | None] | None = None
     pending_tokens: torch.Tensor | None = None  # the device tokens RowHistory.pending_row indexes
+    token_counts: TokenCounts | None = None  # the histories kept on the device (penalties)
     # Structured output: the token bitmask and the constrained rows (engine.structured_output)
     bitmask: tuple[torch.Tensor, list[int]] | None = None
 
@@ -75,7 +77,7 @@ class Sampler:
         processed = logits
         if batch.histories is not None:
             processed = process_logits(logits, batch.params, batch.output_indices,
-                                       batch.histories, batch.pending_tokens)
+                                       batch.histories, batch.pending_tokens, batch.token_counts)
         if batch.bitmask is not None:
             processed = processed.clone() if processed is logits else processed
             apply_bitmask(processed, batch.bitmask)
@@ -111,7 +113,9 @@ class Sampler:
                 noise[row].exponential_()
             else:
                 gen = torch.Generator(device=device)
-                gen.manual_seed(seed_for_step(p.seed, batch.output_indices[row]))
+                # a continuation (after a migration) draws where the request it continues was
+                gen.manual_seed(seed_for_step(p.seed,
+                                              batch.output_indices[row] + p.continued_tokens))
                 noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         greedy = to_device([p.greedy for p in params], torch.bool, device)

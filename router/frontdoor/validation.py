@@ -66,6 +66,9 @@ class Frontend:
         self._check_ids("prompt_token_ids", token_ids)
         if rest_of_context and not request.sampling.HasField("max_tokens"):
             params = dataclasses.replace(params, max_tokens=max(1, limit - len(token_ids)))
+        if params.continued_tokens >= len(token_ids):
+            raise ValueError(f"sampling.continued_tokens ({params.continued_tokens}) must be less "
+                             f"than the prompt's {len(token_ids)} tokens")
         total = len(token_ids) + params.max_tokens
         if total > limit:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens})"

@@ -76,7 +76,8 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     params = dataclasses.replace(
         job.params, max_tokens=job.params.max_tokens - len(emitted),
         min_tokens=max(0, job.params.min_tokens - len(emitted)),
-        prompt_logprobs=None if emitted else job.params.prompt_logprobs)
+        prompt_logprobs=None if emitted else job.params.prompt_logprobs,
+        continued_tokens=job.params.continued_tokens + len(emitted))  # penalties and seeds
     return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
                                token_ids=job.token_ids + emitted, params=params, fork=fork)
 

@@ -36,12 +36,26 @@ SHORT_PROMPT = list(range(1000, 1024))
 LONG_TOKENS, SHORT_TOKENS = 8, 200
 
 
+def sampled_request() -> pb.GenerateRequest:
+    """Seeded sampling with penalties: a migration must not change what it draws."""
+    request = greedy_request(SHORT_PROMPT, SHORT_TOKENS)
+    request.sampling.temperature, request.sampling.seed = 0.8, 3
+    request.sampling.frequency_penalty, request.sampling.presence_penalty = 0.5, 0.2
+    return request
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
-    """The offline engine's greedy tokens, computed before any cluster process starts."""
+    """The offline engine's tokens, computed before any cluster process starts."""
+    from common.convert import sampling_from_proto
+    from engine.llm import LLM
+
     long, short, drained = offline_greedy([long_prompt(), SHORT_PROMPT, long_prompt()[7:]],
                                           [LONG_TOKENS, SHORT_TOKENS, LONG_TOKENS])
-    return {"long": long, "short": short, "drained": drained}
+    llm = LLM("default", dtype="float32")
+    sampled = llm.generate([SHORT_PROMPT], sampling_from_proto(sampled_request().sampling))
+    del llm
+    return {"long": long, "short": short, "drained": drained, "sampled": sampled[0].token_ids}
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +161,13 @@ def test_sigterm_drains_a_prefill_worker_after_its_accepted_prefill(cluster, ref
 
 
 def test_decode_worker_killed_mid_stream_migrates_without_duplicates(cluster, stub, reference):
+    """Seeded and penalized: the continuation counts the streamed tokens as output
+    (sampling.continued_tokens), so it draws what the undisturbed request would have."""
     migrations = _router_counter(cluster, "pdserve_router_migrations_total{}")
-    call, seen = _stream_until(stub, greedy_request(SHORT_PROMPT, SHORT_TOKENS), 5)
+    call, seen = _stream_until(stub, sampled_request(), 5)
     victim = _busy_worker(cluster, pb.WORKER_ROLE_DECODE, "running_requests")
     cluster.signal(victim, signal.SIGKILL)
-    assert _rest(call, seen) == reference["short"]
+    assert _rest(call, seen) == reference["sampled"]
     assert _router_counter(cluster, "pdserve_router_migrations_total{}") == migrations + 1
     _wait_dropped(cluster, victim)
     _assert_no_leak(cluster)

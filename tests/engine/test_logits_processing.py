@@ -5,6 +5,8 @@ greedy loop (presence and frequency penalties, which transformers lacks)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.llm import LLM
 from engine.logits_processing import RowHistory, process_logits
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
+from engine.token_counts import TokenCounts, output_history
 from tests.conftest import mixed_prompts
 
 VOCAB = 50
@@ -81,6 +84,54 @@ def test_a_pending_token_on_the_device_counts_as_output():
                           history(p, [1], [9, 9], pending_row=2)], device_tokens)
     torch.testing.assert_close(got[0], reference_row(logits[0], p, [1], [9, 9, 9]), rtol=0, atol=0)
     torch.testing.assert_close(got[1], reference_row(logits[1], p, [1], [9, 9, 4]), rtol=0, atol=0)
+
+
+def test_counts_kept_on_the_device_equal_the_history_recounted():
+    """engine.token_counts adds each step's new tokens to rows it keeps; the processed logits
+    equal those of the history counted afresh, step after step, with a pending token, a
+    continued request, rows freed and reused, and an id reused by a new request."""
+    gen = torch.Generator().manual_seed(2)
+    counts = TokenCounts(VOCAB, torch.device("cpu"))
+    p = SamplingParams(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.4)
+    continued = SamplingParams(frequency_penalty=0.7, continued_tokens=3)
+    requests = [Request("a", [1, 2, 3], p), Request("b", [4, 5, 6, 7, 8, 9], continued),
+                Request("c", [10], SamplingParams(frequency_penalty=-1.0))]
+    for step in range(6):
+        for k, request in enumerate(requests):
+            request.output_token_ids.append((step * 7 + k * 3) % VOCAB)
+        if step == 3:  # "c" leaves; a new request takes its id (and its row)
+            counts.retain({r.request_id: r for r in requests[:2]})
+            requests[2] = Request("c", [11, 12], SamplingParams(presence_penalty=1.5))
+        logits = torch.randn(3, VOCAB, generator=gen)
+        params = [r.params for r in requests]
+        device_tokens = torch.tensor([step % VOCAB])
+        kept = [history(r.params, r.prompt_token_ids, r.output_token_ids) for r in requests]
+        for h, r in zip(kept, requests):
+            h.request = r
+        kept[0].pending_row = 0
+        fresh = [history(r.params, r.prompt_token_ids, output_history(r)) for r in requests]
+        fresh[0].pending_row = 0
+        got = process_logits(logits, params, [0] * 3, kept, device_tokens, counts)
+        want = process_logits(logits, params, [0] * 3, fresh, device_tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(counts) == 3
+
+
+def test_a_continuation_samples_as_the_request_it_continues(tiny, workload_prompts):
+    """After a migration the router continues a request with its streamed tokens in the prompt
+    (`continued_tokens`): with penalties and a seed, the rest of the output is what the
+    undisturbed request produced."""
+    prompt = workload_prompts[4][:30]
+    for p in (SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True,
+                             frequency_penalty=1.2, presence_penalty=0.4),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             frequency_penalty=1.5, repetition_penalty=1.3)):
+        whole = tiny.generate([prompt], p)[0].token_ids
+        rest = tiny.generate([prompt + whole[:6]], dataclasses.replace(
+            p, max_tokens=10, continued_tokens=6))[0].token_ids
+        assert rest == whole[6:]
+    with pytest.raises(ValueError, match="continued_tokens"):
+        tiny.generate([prompt[:3]], SamplingParams(continued_tokens=3))
 
 
 @pytest.fixture(scope="module")

@@ -136,6 +136,9 @@ def test_a_retry_keeps_leading_only_while_its_prompt_is_unchanged():
     job = Job("r", "w", [1, 2, 3], SamplingParams(max_tokens=8), fork=leader)
     assert continuation(job, [], 2).fork is leader  # the prefill failed: it leads again
     assert continuation(job, [7], 2).fork is None  # its continuation's prompt is longer
+    moved = continuation(continuation(job, [7], 2), [8, 9], 3)
+    assert moved.token_ids == [1, 2, 3, 7, 8, 9] and moved.params.max_tokens == 5
+    assert moved.params.continued_tokens == 3  # penalties and seeds count them as output
     sample = Job("r", "w1", [1, 2, 3], SamplingParams(max_tokens=8), fork=follower)
     assert continuation(sample, [], 1).fork is follower
     assert continuation(sample, [], 2).fork is None  # a retry prefills on its own
