@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import MAX_CHOICES
-from router.frontdoor.tools import AutoStream, ToolCall, ToolPlan
+from router.frontdoor.tool_stream import CallDelta, ToolStream
+from router.frontdoor.tools import ToolPlan
 from router.request.calls import RouterError
 from router.request.forks import ForkRole, fork_roles
 
@@ -92,23 +93,27 @@ class Choice:
     first_sample: bool  # sample 0 of its prompt: its prompt counts in the usage
     parts: list[pb.GenerateResponse] = field(default_factory=list)
     tools: ToolPlan | None = None  # chat with tools: how its output becomes tool calls
-    held: str = ""  # streamed with named/required tools: the output, parsed at the end
-    auto: AutoStream = field(default_factory=AutoStream)  # streamed with tool_choice auto
+    streamed_calls: ToolStream | None = None  # a stream's tool calls as they come
 
-    def stream_text(self, text: str) -> str:
-        """The content a stream sends now for this output text (tool calls are held back)."""
-        mode = self.tools.mode if self.tools else "none"
-        if mode in ("named", "required"):
-            self.held += text
-            return ""
-        return self.auto.feed(text) if mode == "auto" else text
+    def stream_text(self, text: str) -> tuple[str, list[CallDelta]]:
+        """What a stream sends now for this output text: content, and tool-call deltas."""
+        if self.tools is None:
+            return text, []
+        if self.streamed_calls is None:
+            self.streamed_calls = ToolStream(self.tools)
+        return self.streamed_calls.feed(text)
 
-    def stream_end(self) -> tuple[str, list[ToolCall]]:
-        """At the stream's end: content still held, and the tool calls."""
-        mode = self.tools.mode if self.tools else "none"
-        if mode in ("named", "required"):
-            return self.tools.calls(self.held)
-        return self.auto.finish() if mode == "auto" else ("", [])
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        """At the stream's end: content still held, and the calls' last deltas."""
+        if self.tools is None:
+            return "", []
+        if self.streamed_calls is None:
+            self.streamed_calls = ToolStream(self.tools)
+        return self.streamed_calls.finish()
+
+    @property
+    def made_calls(self) -> bool:
+        return self.streamed_calls is not None and self.streamed_calls.calls > 0
 
 
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:

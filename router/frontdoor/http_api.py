@@ -45,6 +45,7 @@ from router.frontdoor.choices import (
 )
 from router.frontdoor.grpc_api import GenerationServicer
 from router.frontdoor.request_log import RequestRecord
+from router.frontdoor.tool_stream import merge
 from router.request.calls import CallScope, RouterError
 from router.request.forks import ForkRole
 
@@ -318,11 +319,11 @@ class HttpApi:
         text = echo.text + item.text
         calls: list = []
         if api.chat:
-            text = choice.stream_text(text)
+            text, calls = choice.stream_text(text)
             if finished:
-                rest, calls = choice.stream_end()
-                text += rest
-        if not (text or item.logprobs or echo.prompt_token_ids or finished):
+                rest, last = choice.stream_end()
+                text, calls = text + rest, calls + last
+        if not (text or calls or item.logprobs or echo.prompt_token_ids or finished):
             return  # a token that completes no character yet: nothing to say
         body: dict = {"index": choice.index,
                       "logprobs": wire.logprobs_json(api, list(item.logprobs),
@@ -334,9 +335,9 @@ class HttpApi:
         if api.chat:
             body["delta"] = {"content": text} if text else {}
             if calls:
-                body["delta"]["tool_calls"] = [c.as_json(k) for k, c in enumerate(calls)]
-                if body["finish_reason"] == "stop":
-                    body["finish_reason"] = "tool_calls"
+                body["delta"]["tool_calls"] = [c.as_json() for c in merge(calls)]
+            if choice.made_calls and body["finish_reason"] == "stop":
+                body["finish_reason"] = "tool_calls"
         else:
             body["text"] = text
         extra: dict[str, object] = {"timings": wire.timings(item)} if finished else {}

@@ -104,36 +104,6 @@ def hermes_calls(text: str) -> tuple[str, list[ToolCall]]:
     return (content.strip() if calls else content), calls
 
 
-class AutoStream:
-    """Streamed `auto` output: text is content until a call may begin; from `<tool_call>` on it
-    is held and parsed at the end (a possible start of the tag is held back meanwhile)."""
-
-    def __init__(self) -> None:
-        self.held = ""
-        self.in_call = False
-
-    def feed(self, text: str) -> str:
-        """The content to send now."""
-        if self.in_call:
-            self.held += text
-            return ""
-        text = self.held + text
-        start = text.find(OPEN)
-        if start >= 0:
-            self.in_call, self.held = True, text[start:]
-            return text[:start]
-        keep = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
-                     if OPEN.startswith(text[-k:])), 0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left: content, and the calls parsed from the held text."""
-        if not self.in_call:
-            return self.held, []
-        return hermes_calls(self.held)
-
-
 def _object(parameters: dict | None) -> dict:
     return parameters if parameters else {"type": "object", "properties": {}}
 

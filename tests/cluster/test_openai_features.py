@@ -199,7 +199,7 @@ def test_structured_output_with_the_openai_clients_parse(client, model):
 
 def test_tool_calls_with_the_openai_client(client, model):
     """A named function and `required` hold the output to a call (structured output over the
-    parameters), whole and streamed; `auto` is refused for this template (it writes no tool-call
+    parameters), whole and streamed (the arguments in fragments as they come); `auto` is refused for this template (it writes no tool-call
     format); a history with the assistant's calls and the tool's answers renders."""
     import jsonschema
 
@@ -220,8 +220,21 @@ def test_tool_calls_with_the_openai_client(client, model):
         model=model, messages=messages, max_tokens=200, temperature=0, tools=[weather, clock],
         tool_choice="required", stream=True))
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert len(deltas) == 1 and deltas[0].function.name in ("get_weather", "get_time")
+    assert deltas[0].function.name in ("get_weather", "get_time") and deltas[0].id
+    assert {d.index for d in deltas} == {0} and not any(d.id for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    if deltas[0].function.name == "get_weather":
+        assert len(deltas) > 2  # the arguments streamed in fragments
+        jsonschema.validate(json.loads(arguments), weather["function"]["parameters"])
+    assert json.loads(arguments) is not None
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with client.chat.completions.stream(  # openai's own accumulation of the deltas
+            model=model, messages=messages, max_tokens=200, temperature=0, tools=[weather],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}) as stream:
+        final = stream.get_final_completion()
+    streamed_call = final.choices[0].message.tool_calls[0]
+    assert streamed_call.function.name == "get_weather"
+    assert json.loads(streamed_call.function.arguments) == json.loads(call.function.arguments)
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=messages, tools=[weather],
                                        tool_choice="auto")

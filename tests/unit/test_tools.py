@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from router.frontdoor.tools import AutoStream, ToolPlan, hermes_calls, plan
+from router.frontdoor.tool_stream import CallDelta, ToolStream, merge
+from router.frontdoor.tools import ToolPlan, hermes_calls, plan
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -60,16 +61,76 @@ def test_calls_from_a_whole_output():
         "<tool_call>not json</tool_call>", [])
 
 
-def test_a_streamed_auto_output_holds_back_only_what_may_be_a_call():
-    stream = AutoStream()
-    sent = [stream.feed(t) for t in ("Sure", ", <tool", "_ca", 'll>{"name": "get_time", ',
-                                     '"arguments": {}}</tool_call>')]
-    assert "".join(sent) == "Sure, "
-    content, calls = stream.finish()
-    assert content == "" and calls[0].name == "get_time"
-    plain = AutoStream()
-    assert plain.feed("a < b") == "a < b" and plain.feed(" <") == " " and plain.feed("x") == "<x"
-    assert plain.finish() == ("", [])
+def stream_all(plan: ToolPlan, pieces: list[str]) -> tuple[str, list[CallDelta], int]:
+    """Feed a streamed output piece by piece: its content, its call deltas, and how many
+    deltas came before the end."""
+    stream = ToolStream(plan)
+    content, deltas = "", []
+    for piece in pieces:
+        text, got = stream.feed(piece)
+        content, deltas = content + text, deltas + got
+    before = len(deltas)
+    text, got = stream.finish()
+    return content + text, deltas + got, before
+
+
+def calls_of(deltas: list[CallDelta]) -> list[tuple[str, str]]:
+    """(name, arguments) per call, as a client adds its deltas up."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.id:
+            assert d.index not in calls, "a call announced twice"
+            calls[d.index] = [d.name, ""]
+        calls[d.index][1] += d.arguments
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    pieces = ['{"ci', 'ty": "Pa', 'ris"}']
+    content, deltas, before = stream_all(ToolPlan("named", "get_weather"), pieces)
+    assert content == "" and deltas[0].id and deltas[0].name == "get_weather"
+    assert calls_of(deltas) == [("get_weather", '{"city": "Paris"}')]
+    assert before == len(deltas) == 4  # the header, then one fragment per piece
+    assert calls_of(stream_all(ToolPlan("named", "f"), [])[1]) == [("f", "")]
+
+
+def test_a_required_call_streams_its_arguments_once_its_name_is_known():
+    pieces = ['{"na', 'me": "get_w', 'eather", "argu', 'ments": {"city"', ': "Oslo"', '}', ' }']
+    content, deltas, before = stream_all(ToolPlan("required"), pieces)
+    assert content == "" and calls_of(deltas) == [("get_weather", '{"city": "Oslo"}')]
+    assert before >= 3  # arguments went out before the end
+    stream = ToolStream(ToolPlan("required"))
+    sent = "".join(d.arguments for p in pieces[:6] for d in stream.feed(p)[1])
+    assert sent == '{"city": "Oslo"'  # a brace that may close the call waits for what follows
+    # the arguments first: nothing streams, the whole call comes at the end
+    _, late, before = stream_all(ToolPlan("required"), ['{"arguments": {}, ', '"name": "t"}'])
+    assert before == 0 and calls_of(late) == [("t", "{}")]
+
+
+def test_auto_streams_content_then_each_call_and_keeps_a_bad_block_as_content():
+    pieces = ["Sure", ", <tool", "_ca", 'll>{"name": "get_time", ', '"arguments": {}}</tool_',
+              'call>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}',
+              "</tool_call>"]
+    content, deltas, _ = stream_all(ToolPlan("auto"), pieces)
+    assert content == "Sure, "
+    assert calls_of(deltas) == [("get_time", "{}"), ("get_weather", '{"city": "Lima"}')]
+    assert [d.index for d in deltas if d.id] == [0, 1]
+    content, deltas, _ = stream_all(ToolPlan("auto"), ["a < b <", "x <tool_call>not json",
+                                                        "</tool_call> done"])
+    assert content == "a < b <x <tool_call>not json</tool_call> done" and deltas == []
+    content, deltas, _ = stream_all(ToolPlan("auto"), ['<tool_call>{"name": "f", "arguments": {',
+                                                       '"a": 1}}'])  # cut short: no close tag
+    assert content == "" and calls_of(deltas) == [("f", '{"a": 1}')]
+
+
+def test_adjacent_deltas_of_a_call_go_out_as_one():
+    deltas = [CallDelta(0, "", "f", "call_1"), CallDelta(0, '{"a"'), CallDelta(0, ": 1}"),
+              CallDelta(1, "", "g", "call_2")]
+    assert [d.as_json() for d in merge(deltas)] == [
+        {"index": 0, "id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "g",
+                                                                       "arguments": ""}}]
 
 
 HERMES_TEMPLATE = """{% if tools %}<|im_start|>system
