@@ -199,8 +199,9 @@ def test_structured_output_with_the_openai_clients_parse(client, model):
 
 def test_tool_calls_with_the_openai_client(client, model):
     """A named function and `required` hold the output to a call (structured output over the
-    parameters), whole and streamed (the arguments in fragments as they come); `auto` is refused for this template (it writes no tool-call
-    format); a history with the assistant's calls and the tool's answers renders."""
+    parameters), whole and streamed (the arguments in fragments as they come); `auto` is
+    refused for this template (it writes no tool-call format); a history with the assistant's
+    calls and the tool's answers renders."""
     import jsonschema
 
     weather = {"type": "function", "function": {
