@@ -73,6 +73,9 @@ def _add_launch_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--host", default="127.0.0.1")
     launch.add_argument("--port", type=int, default=50051)
     launch.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    launch.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="colocated workers: split the model over N ranks, one process each "
+                             "(CPU, gloo; prefill/decode workers: not yet)")
     launch.add_argument("--dtype", default=None)
     launch.add_argument("--kv-cache-gb", type=float, default=None)
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
@@ -216,6 +219,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+                       tensor_parallel_size=args.tensor_parallel_size,
                        http_port=args.http_port, log_level=args.log_level,
                        log_format=args.log_format, **credentials)
 

@@ -256,6 +256,10 @@ class EngineConfig:
     # Schedule and prepare step N+1 while step N runs on the device (LLMEngine._step_async):
     # same outputs, the host's work off the GPU's critical path.
     async_scheduling: bool | None = None
+    # Ranks the model is split over (engine.tensor_parallel): one process per rank, gloo on CPU.
+    # The CUDA speed paths, async scheduling and a shareable (KV-exporting) cache are not yet
+    # supported with more than one.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -271,6 +275,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self._resolve_speed_paths()
+        self._check_tensor_parallel()
         if self.cuda_graphs and not self.device.startswith("cuda"):
             raise ValueError(f"cuda_graphs needs device cuda[:N], got device {self.device!r}")
         if self.cuda_graphs and self.attention_backend not in ("auto", "triton"):
@@ -279,6 +284,22 @@ class EngineConfig:
         if self.scheduler is None:
             object.__setattr__(self, "scheduler", SchedulerConfig.for_device(self.device))
 
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        if self.device.startswith("cuda"):
+            raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) only so far: "
+                             "no GPU run has proved its CUDA path")
+        if self.async_scheduling or self.fused_kernels or self.cuda_graphs:
+            raise ValueError("tensor_parallel_size > 1 does not support async_scheduling, "
+                             "fused_kernels or cuda_graphs yet")
+        if self.cache.shareable:
+            raise ValueError("tensor_parallel_size > 1 cannot export its KV cache yet (a "
+                             "disaggregated worker's): each rank holds only its heads")
 
     def _resolve_speed_paths(self) -> None:
         """Each GPU speed path left unset is on for CUDA (graphs only where triton attention

@@ -193,6 +193,10 @@ class LLMEngine:
         """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
         self.block_manager.free(request)
 
+    def close(self) -> None:
+        """Release what outlives a step: the other tensor-parallel ranks' processes."""
+        self.runner.close()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 

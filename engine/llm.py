@@ -21,12 +21,13 @@ class LLM:
     def __init__(self, model: str = "default", *, dtype: str | None = None,
                  config: EngineConfig | None = None, kv_cache_gb: float | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", tensor_parallel_size: int = 1):
         if config is None:
             sched = SchedulerConfig.for_device(device, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens)
             config = EngineConfig(model=model, dtype=dtype, scheduler=sched, device=device,
-                                  cache=CacheConfig(kv_cache_gb=kv_cache_gb))
+                                  cache=CacheConfig(kv_cache_gb=kv_cache_gb),
+                                  tensor_parallel_size=tensor_parallel_size)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._batches = 0

@@ -1,16 +1,21 @@
 """Load a local Hugging Face Llama / Mistral / Qwen2 safetensors checkpoint (sharded or not, tied or
-untied embeddings, attention bias) into the fused layout the model runs. Never downloads."""
+untied embeddings, attention bias) into the fused layout the model runs — whole, or the slices one
+tensor-parallel rank holds (engine.tensor_parallel), read as slices from the files. Never
+downloads."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, ModelPathError
 from engine.prepare import default_model_dir, is_prepared, prepare_default_model
+from engine.tensor_parallel import ShardPlan
 
 DEFAULT_MODEL = "default"
 
@@ -45,53 +50,112 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
-                 ) -> dict[str, torch.Tensor]:
-    """Read the checkpoint and return fused weights keyed as engine.models.llama expects."""
-    raw: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb" in name:
-                    continue
-                raw[name.removeprefix("model.")] = f.get_tensor(name)
-    return _fuse(raw, config, dtype, device)
-
-
-def _take(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return raw.pop(name)
-    except KeyError:
-        raise ModelPathError(f"checkpoint is missing weight {name!r}") from None
-
-
-def _fuse(raw: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
-          device: torch.device) -> dict[str, torch.Tensor]:
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
-
-    out = {"embed": put(_take(raw, "embed_tokens.weight")), "norm": put(_take(raw, "norm.weight"))}
-    if "lm_head.weight" in raw and not config.tie_word_embeddings:
-        out["lm_head"] = put(raw.pop("lm_head.weight"))
-    elif not config.tie_word_embeddings:
-        raise ModelPathError("checkpoint has untied embeddings but no 'lm_head.weight'")
-    raw.pop("lm_head.weight", None)
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        q, k, v = (_take(raw, f"{p}self_attn.{n}_proj.weight") for n in "qkv")
-        out[p + "qkv_weight"] = put(torch.cat([q, k, v]))
-        if config.attention_bias:
-            biases = [_take(raw, f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
-            out[p + "qkv_bias"] = put(torch.cat(biases))
-        out[p + "o_weight"] = put(_take(raw, f"{p}self_attn.o_proj.weight"))
-        if f"{p}self_attn.o_proj.bias" in raw:  # Llama with attention_bias; Qwen2 has none
-            out[p + "o_bias"] = put(raw.pop(f"{p}self_attn.o_proj.bias"))
-        gate, up = _take(raw, f"{p}mlp.gate_proj.weight"), _take(raw, f"{p}mlp.up_proj.weight")
-        out[p + "gate_up_weight"] = put(torch.cat([gate, up]))
-        out[p + "down_weight"] = put(_take(raw, f"{p}mlp.down_proj.weight"))
-        out[p + "input_norm"] = put(_take(raw, f"{p}input_layernorm.weight"))
-        out[p + "post_attention_norm"] = put(_take(raw, f"{p}post_attention_layernorm.weight"))
-    leftover = list(raw)
+def load_weights(path: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 shard: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+    """Read the checkpoint and return fused weights keyed as engine.models.llama expects; with
+    `shard`, only the slices that tensor-parallel rank holds are read from the files."""
+    with CheckpointReader(path) as reader:
+        out = _fuse(reader, config, dtype, device, shard)
+        leftover = reader.unread()
     if leftover:
         raise ModelPathError(f"checkpoint has weights this model does not use: {leftover[:5]}")
     return out
+
+
+class CheckpointReader:
+    """Tensors of a safetensors checkpoint by name, read when asked for (whole or a slice)."""
+
+    def __init__(self, path: Path):
+        self._files = [safe_open(str(f), framework="pt") for f in safetensors_files(path)]
+        self._where: dict[str, tuple[Any, str]] = {}
+        for handle in self._files:
+            for name in handle.keys():
+                if "rotary_emb" not in name:
+                    self._where[name.removeprefix("model.")] = (handle, name)
+        self._read: set[str] = set()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str, rows: range | None = None, cols: range | None = None
+            ) -> torch.Tensor:
+        """The tensor `name` (ModelPathError if missing), or its `rows` / `cols` slice."""
+        found = self._where.get(name)
+        if found is None:
+            raise ModelPathError(f"checkpoint is missing weight {name!r}")
+        handle, key = found
+        self._read.add(name)
+        if rows is None and cols is None:
+            return handle.get_tensor(key)
+        part = handle.get_slice(key)
+        r = slice(rows.start, rows.stop) if rows is not None else slice(None)
+        if cols is None:
+            return part[r]
+        return part[r, cols.start:cols.stop]
+
+    def skip(self, name: str) -> None:
+        """Mark a weight as deliberately not used."""
+        if name in self._where:
+            self._read.add(name)
+
+    def unread(self) -> list[str]:
+        return [n for n in self._where if n not in self._read]
+
+
+def _fuse(reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
+          device: torch.device, shard: ShardPlan | None) -> dict[str, torch.Tensor]:
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    vocab = None if shard is None else shard.vocab
+    out = {"embed": put(_vocab_rows(reader.get("embed_tokens.weight", vocab), shard)),
+           "norm": put(reader.get("norm.weight"))}
+    if "lm_head.weight" in reader and not config.tie_word_embeddings:
+        out["lm_head"] = put(_vocab_rows(reader.get("lm_head.weight", vocab), shard))
+    elif not config.tie_word_embeddings:
+        raise ModelPathError("checkpoint has untied embeddings but no 'lm_head.weight'")
+    reader.skip("lm_head.weight")
+    for i in range(config.num_layers):
+        out.update(_layer(reader, f"layers.{i}.", config, shard, put))
+    return out
+
+
+def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPlan | None,
+           put: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    d = config.head_dim
+    q_rows = None if shard is None else range(shard.q_heads.start * d, shard.q_heads.stop * d)
+    kv_rows = None if shard is None else range(shard.kv_heads.start * d,
+                                               shard.kv_heads.stop * d)
+    mlp = None if shard is None else shard.intermediate
+    rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+    out = {p + "qkv_weight": put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.weight", rows[n])
+                                            for n in "qkv"]))}
+    if config.attention_bias:
+        out[p + "qkv_bias"] = put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", rows[n])
+                                             for n in "qkv"]))
+    out[p + "o_weight"] = put(reader.get(f"{p}self_attn.o_proj.weight", None, q_rows))
+    bias = f"{p}self_attn.o_proj.bias"  # Llama with attention_bias; Qwen2 has none
+    if bias in reader:
+        if shard is None or shard.rank == 0:  # row-parallel: added once, before the all-reduce
+            out[p + "o_bias"] = put(reader.get(bias))
+        reader.skip(bias)
+    gate = reader.get(f"{p}mlp.gate_proj.weight", mlp)
+    out[p + "gate_up_weight"] = put(torch.cat([gate, reader.get(f"{p}mlp.up_proj.weight", mlp)]))
+    out[p + "down_weight"] = put(reader.get(f"{p}mlp.down_proj.weight", None, mlp))
+    out[p + "input_norm"] = put(reader.get(f"{p}input_layernorm.weight"))
+    out[p + "post_attention_norm"] = put(reader.get(f"{p}post_attention_layernorm.weight"))
+    return out
+
+
+def _vocab_rows(rows: torch.Tensor, shard: ShardPlan | None) -> torch.Tensor:
+    """A rank's vocabulary rows, padded with zeros to the shard size every rank shares."""
+    if shard is None or rows.shape[0] == shard.vocab_shard:
+        return rows
+    pad = rows.new_zeros(shard.vocab_shard - rows.shape[0], rows.shape[1])
+    return torch.cat([rows, pad])

@@ -26,6 +26,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import HostBatch, batch_tensors, host_batch
 from engine.structured_output import GrammarBook
 from engine.token_counts import TokenCounts, output_history
+from engine.tp_ranks import RankSpec, TensorParallelRanks, copy_blocks, shard_of, start_ranks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,6 +46,7 @@ class PreparedStep:
     previous_rows: dict[str, int] | None = None
     # Prompt logprobs: rows after the sampling rows in logits_rows (engine.step_inputs)
     prompt: HostBatch | None = None
+    host: HostBatch | None = None  # an eager step's batch (what tensor-parallel ranks are sent)
 
 
 @dataclass
@@ -82,17 +84,16 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = DTYPES[dtype]
         self.block_size = config.cache.block_size
-        weights = load_weights(model_path, model_config, self.dtype, self.device)
         if config.fused_kernels and self.device.type == "cpu" \
                 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused_kernels runs Triton kernels: on CUDA, or on CPU under "
                              "TRITON_INTERPRET=1")
-        self.model = LlamaModel(model_config, weights, max_positions=max_model_len,
-                                elementwise=select_elementwise(config.fused_kernels, self.device))
-        self.num_blocks = num_kv_blocks(config.cache, model_config, self.dtype, self.device,
-                                        config.scheduler, graphs=config.cuda_graphs)
+        self.ranks: TensorParallelRanks | None = None  # ranks 1.. of a tensor-parallel engine
+        self.model = self._build_model(config, model_config, model_path, max_model_len)
+        shard = self.model.shard
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
+                 len(shard.kv_heads) if shard else model_config.num_kv_heads,
+                 model_config.head_dim)
         self.kv_buffer = allocate_kv_buffer(shape, self.dtype, self.device,
                                             config.cache.shareable)
         self.kv_caches = self.kv_buffer.layers
@@ -108,6 +109,31 @@ class ModelRunner:
                 self.warm_up_model()
         if config.cuda_graphs:
             self.enable_decode_graphs(config.scheduler.max_num_seqs, max_model_len, capture=True)
+
+    def _build_model(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
+                     max_model_len: int) -> LlamaModel:
+        """This process's model (rank 0's share under tensor parallelism, the other ranks
+        started beside it: engine.tp_ranks) and the KV cache's size in blocks."""
+        size = config.tensor_parallel_size
+        shard = shard_of(model_config, 0, size) if size > 1 else None
+        weights = load_weights(model_path, model_config, self.dtype, self.device, shard)
+        self.num_blocks = num_kv_blocks(config.cache, model_config, self.dtype, self.device,
+                                        config.scheduler, graphs=config.cuda_graphs)
+        group = None
+        if size > 1:
+            self.ranks = start_ranks(RankSpec(
+                str(model_path), model_config, self.dtype, config.device, self.block_size,
+                self.num_blocks, config.attention_backend, max_model_len, size, 0,
+                max(1, torch.get_num_threads() // size)))
+            group = self.ranks.group
+        return LlamaModel(model_config, weights, max_positions=max_model_len,
+                          elementwise=select_elementwise(config.fused_kernels, self.device),
+                          tp=group, shard=shard)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool,
                              num_sms: int | None = None) -> None:
@@ -179,10 +205,9 @@ class ModelRunner:
         land in it."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-        cache = self.kv_buffer.tensor  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-        cache.index_copy_(2, dst, cache.index_select(2, src))
+        if self.ranks is not None:
+            self.ranks.send(("copy", copies))
+        copy_blocks(self.kv_buffer.tensor, copies, self.device)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -237,7 +262,7 @@ class ModelRunner:
         self.attention.prepare(md.block_table, md.query_lens_list, md.seq_lens_list,
                                self.block_size)
         return PreparedStep(order, items, input_ids, positions, md, rows, None, prev_tokens,
-                            prev_rows, batch if batch.prompt_rows else None)
+                            prev_rows, batch if batch.prompt_rows else None, batch)
 
     def _fill_pending(self, input_ids: torch.Tensor, batch: HostBatch,
                       previous: LaunchedStep | None) -> None:
@@ -268,6 +293,9 @@ class ModelRunner:
         if step.graph_bucket is not None:
             logits = self.graphs.replay(step.graph_bucket)[step.logits_rows]
         else:
+            if self.ranks is not None:  # they run their shares of this forward beside ours
+                batch = step.host
+                self.ranks.send(("step", batch, batch.logits_rows + batch.prompt_rows))
             logits = self.model.forward(step.input_ids, step.positions, self.kv_caches,
                                         step.metadata, self.attention, step.logits_rows)
         sampling_items = [s for s in step.items if s.samples]

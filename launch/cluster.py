@@ -63,6 +63,7 @@ class ClusterSpec:
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
     cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
     async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
+    tensor_parallel_size: int = 1  # colocated workers: ranks per worker (engine.tensor_parallel)
     log_level: str = "info"  # every process's --log-level
     log_format: str = "text"  # every process's --log-format (text | json)
 
@@ -79,6 +80,13 @@ class ClusterSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and not self.colocated:
+            raise ValueError("--tensor-parallel-size > 1 is for colocated workers so far (moving "
+                             "KV between tensor-parallel prefill and decode workers is not "
+                             "built yet)")
         check_logging(self.log_level, self.log_format)
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
@@ -247,6 +255,8 @@ class LocalCluster:
             args.append("--cuda-graphs")
         if spec.async_scheduling and role != "prefill":
             args.append("--async-scheduling")
+        if spec.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
         return [*args, "--kv-transport", spec.kv_transport]
 
     def _spawn(self, name: str, args: list[str]) -> None:

@@ -99,6 +99,7 @@ class EngineLoop:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        self.engine.close()  # the tensor-parallel ranks' processes, if any
 
     def post(self, fn: Callable[[LLMEngine], object]) -> None:
         """Run `fn(engine)` on the loop thread before the next step (errors are logged)."""

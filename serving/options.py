@@ -38,6 +38,9 @@ class WorkerOptions:
     # default keeps its streams' inter-token latency while it prefills locally).
     prefill_chunk_size: int | None = None
     threads: int = 1  # torch threads: workers share the machine's cores
+    # Ranks the model is split over, one process each (engine.tensor_parallel); colocated workers
+    # only so far: moving KV between workers of different TP is not built yet.
+    tensor_parallel_size: int = 1
     worker_id: str = ""
     connect_timeout_s: float = 60.0  # waiting for the router at start
     transfer_timeout_s: float = 30.0  # one KV transfer (rendezvous included)
@@ -95,6 +98,7 @@ class WorkerOptions:
             raise ValueError(f"--prefill-chunk-size must be >= 1, got {self.prefill_chunk_size}")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        self._check_tensor_parallel()
         if not 0 < self.gpu_memory_fraction <= 0.95:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 0.95], got "
                              f"{self.gpu_memory_fraction}")
@@ -105,6 +109,18 @@ class WorkerOptions:
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.role != "colocated":
+            raise ValueError("--tensor-parallel-size > 1 is for colocated workers so far: a "
+                             f"{self.role} worker's KV moves to another worker, and moving it "
+                             "between tensor-parallel ranks is not built yet")
+        if self.tensor_parallel_size > 1 and (self.device != "cpu" or self.async_scheduling):
+            raise ValueError("--tensor-parallel-size > 1 runs on CPU ranks without "
+                             "--async-scheduling so far (its GPU path is unproven)")
 
     @property
     def public_host(self) -> str:
@@ -156,7 +172,8 @@ def _options(role: str, args: argparse.Namespace) -> WorkerOptions:
         kv_cache_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
         queue_policy=args.queue_policy, queue_age_bound_s=args.queue_age_bound_s,
         prefill_chunk_size=args.prefill_chunk_size,
-        threads=args.threads, worker_id=args.worker_id, lease_s=args.lease_s,
+        threads=args.threads, tensor_parallel_size=args.tensor_parallel_size,
+        worker_id=args.worker_id, lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s, grace_s=args.grace_s,
         metrics_port=args.metrics_port, max_queued_requests=args.max_queued_requests,
         log_level=args.log_level, log_format=args.log_format,
@@ -178,6 +195,9 @@ def _add_process_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-gb", type=float, default=None)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over N ranks, one process each (colocated "
+                             "workers, CPU, so far)")
     parser.add_argument("--worker-id", default="")
     parser.add_argument("--grace-s", type=float, default=30.0,
                         help="on SIGTERM: seconds accepted work may take to finish")

@@ -93,6 +93,7 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
                           scheduler=scheduler, device=options.device,
                           cuda_graphs=options.cuda_graphs,
                           async_scheduling=options.async_scheduling,
+                          tensor_parallel_size=options.tensor_parallel_size,
                           # Not yet run in a cluster on a GPU: off in workers until then.
                           fused_kernels=False)
     if options.device != "cpu":  # the GPU run proved workers built on this thread: kept so
@@ -119,7 +120,8 @@ def registration(options: WorkerOptions, role: WorkerRole, address: str,
         max_model_len=engine.max_model_len, kv_transfer_host=role.transfer_host,
         load=load_to_proto(role.loop.load), metrics_address=metrics_address,
         host_id=local_host_id(), kv_device=device_identity(torch.device(options.device)),
-        kv_transport=options.kv_transport, kv_receiver_id=role.kv_receiver_id())
+        kv_transport=options.kv_transport, kv_receiver_id=role.kv_receiver_id(),
+        tensor_parallel_size=options.tensor_parallel_size)
 
 
 class WorkerProcess:

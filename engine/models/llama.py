@@ -16,6 +16,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.models.elementwise import TorchElementwise, rms_norm
 from engine.models.linear import Linear
+from engine.tensor_parallel import ShardPlan, TPGroup
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -64,7 +65,8 @@ class RotaryEmbedding:
 
 
 class DecoderLayer:
-    def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig):
+    def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig, tp: TPGroup,
+                 shard: ShardPlan | None):
         self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
         self.o_proj = Linear(weights["o_weight"], weights.get("o_bias"))
         self.gate_up_proj = Linear(weights["gate_up_weight"])
@@ -72,7 +74,10 @@ class DecoderLayer:
         self.input_norm = weights["input_norm"]
         self.post_attention_norm = weights["post_attention_norm"]
         self.eps = config.rms_norm_eps
+        self.tp = tp  # o_proj and down_proj hold input columns: their outputs are summed
         self.n_heads, self.n_kv = config.num_heads, config.num_kv_heads
+        if shard is not None:  # this rank's heads
+            self.n_heads, self.n_kv = len(shard.q_heads), len(shard.kv_heads)
         self.head_dim = config.head_dim
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
@@ -83,9 +88,9 @@ class DecoderLayer:
                 ops: TorchElementwise) -> torch.Tensor:
         _, x = ops.add_rms_norm(h, None, self.input_norm, self.eps)
         q, k, v = ops.rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv, self.head_dim)
-        h, x = ops.add_rms_norm(h, self.o_proj(self._attend(q, k, v, kv_cache, md, attention)),
-                                self.post_attention_norm, self.eps)
-        return h + self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        attn = self.tp.all_reduce(self.o_proj(self._attend(q, k, v, kv_cache, md, attention)))
+        h, x = ops.add_rms_norm(h, attn, self.post_attention_norm, self.eps)
+        return h + self.tp.all_reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -103,14 +108,20 @@ class LlamaModel:
     """The whole decoder; `forward` returns fp32 logits for the rows in `logits_indices`."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
-                 elementwise: TorchElementwise | None = None):
+                 elementwise: TorchElementwise | None = None, tp: TPGroup | None = None,
+                 shard: ShardPlan | None = None):
+        """`tp` and `shard`: this rank's group and share (engine.tensor_parallel); the weights
+        are that share's (engine.loader)."""
         self.config = config
+        self.tp = tp or TPGroup(0, 1)
+        self.shard = shard
         # The element-wise chains: the torch form, or fused kernels (engine.models.elementwise).
         self.elementwise = elementwise or TorchElementwise()
         self.embed = weights["embed"]
         self.lm_head = Linear(weights.get("lm_head", self.embed))
         self.norm = weights["norm"]
-        self.layers = [DecoderLayer(weights_i, config) for weights_i in _split_layers(weights)]
+        self.layers = [DecoderLayer(weights_i, config, self.tp, shard)
+                       for weights_i in _split_layers(weights)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions,
                                       self.embed.dtype, self.embed.device)
 
@@ -122,12 +133,24 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], md: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer.forward(h, rope, kv_cache, md, attention, self.elementwise)
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if self.shard is not None:  # each rank scored its vocabulary rows
+            logits = self.tp.gather_columns(logits, self.config.vocab_size)
+        return logits.float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return F.embedding(input_ids, self.embed)
+        # Vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere; summed.
+        local = input_ids - self.shard.vocab.start
+        mine = (local >= 0) & (local < len(self.shard.vocab))
+        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        return self.tp.all_reduce(h * mine.unsqueeze(-1).to(h.dtype))
 
 
 def _split_layers(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -51,6 +51,7 @@ class Worker:
     kv_device: str = "cpu"
     kv_transport: str = "auto"
     kv_receiver_id: str = ""  # decode: names its KV receivers, new in every process
+    tensor_parallel_size: int = 1  # ranks its model is split over
     # The keys of the KV blocks its prefix cache holds, as last reported (cache-aware placement).
     prefix_hashes: frozenset[int] = frozenset()
 

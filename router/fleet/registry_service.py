@@ -44,6 +44,7 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             host_id=request.host_id, kv_device=request.kv_device or "cpu",
             kv_transport=request.kv_transport or "auto",
             kv_receiver_id=request.kv_receiver_id,
+            tensor_parallel_size=max(1, request.tensor_parallel_size),
             prefix_hashes=_prefix(request.load) or frozenset()))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 

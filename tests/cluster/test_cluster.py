@@ -133,9 +133,12 @@ def test_only_blocks_the_decode_worker_lacks_are_sent(cluster, prompts, referenc
     wait_blocks_free(cluster)
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference,
-                                              prompt_logprobs_reference):
-    with start_cluster(tmp_path, prefill=0, decode=0, colocated=1, dtype="float32") as cluster:
+                                              prompt_logprobs_reference, tp):
+    """Also with the model split over 2 ranks (one more process: engine.tp_ranks)."""
+    with start_cluster(tmp_path, prefill=0, decode=0, colocated=1, dtype="float32",
+                       tensor_parallel_size=tp) as cluster:
         got = stream_all(cluster.address, prompts[:6], concurrency=6)
         assert got == reference[:6]
         request = greedy_request(prompts[9], max_tokens=2)
@@ -146,6 +149,7 @@ def test_colocated_mode_matches_offline_engine(tmp_path, prompts, reference,
                                prompt_logprobs_reference[9])
         status = cluster.status()
         assert [w.role for w in status.workers] == [3]  # WORKER_ROLE_COLOCATED
+        assert status.workers[0].tensor_parallel_size == tp
         assert wait_blocks_free(cluster)[0].free_blocks == status.workers[0].total_blocks
         assert sorted(cluster.processes) == ["colocated-0", "router"]  # started once, not twice
     assert all(p.poll() is not None for p in cluster.processes.values()), "processes left running"
