@@ -193,6 +193,11 @@ class LLMEngine:
         """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
         self.block_manager.free(request)
 
+    def broken(self) -> str | None:
+        """Why this engine can never step again (a tensor-parallel rank is gone), or None: its
+        host should go down as a unit."""
+        return self.runner.broken()
+
     def close(self) -> None:
         """Release what outlives a step: the other tensor-parallel ranks' processes."""
         self.runner.close()

@@ -130,6 +130,10 @@ class ModelRunner:
                           elementwise=select_elementwise(config.fused_kernels, self.device),
                           tp=group, shard=shard)
 
+    def broken(self) -> str | None:
+        """Why this runner can never run a step again (a tensor-parallel rank is gone)."""
+        return self.ranks.lost() if self.ranks is not None else None
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any."""
         if self.ranks is not None:

@@ -77,6 +77,13 @@ class TensorParallelRanks:
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {answer}")
 
+    def lost(self) -> str | None:
+        """Why the group cannot run any more (a rank is gone), or None."""
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            if not proc.is_alive():
+                return f"tensor-parallel rank {rank} is gone ({_last_word(conn, proc)})"
+        return None
+
     def send(self, message: tuple) -> None:
         """Hand every rank the same command ("step", batch, rows) or ("copy", pairs)."""
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):

@@ -81,6 +81,10 @@ class EngineLoop:
         self.observer = observer
         self.idle_wait_s = idle_wait_s
         self.sinks: dict[str, Sink] = {}
+        # Told once why the engine can never step again (a tensor-parallel rank is gone): the
+        # worker then goes down as a unit, its requests failed (the router moves them).
+        self.on_fatal: Callable[[str], None] | None = None
+        self.fatal: str | None = None
         self.load = LoadSnapshot()
         self.num_steps = 0
         self._prefix_copied = 0.0
@@ -137,6 +141,7 @@ class EngineLoop:
             else:
                 self._wakeup.wait(self.idle_wait_s)
                 self._wakeup.clear()
+                self._check_broken()  # idle too: a worker that cannot step must not be placed
             self._refresh_load()
         self._fail_all(RuntimeError("worker is shutting down"))
 
@@ -157,11 +162,21 @@ class EngineLoop:
         except Exception as exc:  # a failed forward fails its requests, not the worker
             log.exception("engine step failed")
             self._fail_all(exc)
+            self._check_broken()  # ... unless it can never step again
             return
         self.num_steps += 1
         for output in outputs:
             self.deliver(output)
         self.policy.after_step(self.engine, outputs)
+
+    def _check_broken(self) -> None:
+        broken = self.engine.broken()
+        if broken is not None and self.fatal is None:
+            log.error("the engine cannot step again: %s", broken)
+            self.fatal = broken
+            self._fail_all(RuntimeError(broken))
+            if self.on_fatal is not None:
+                self.on_fatal(broken)
 
     def deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
         """Hand an output (or an error) to the request's sink; finished requests lose theirs."""

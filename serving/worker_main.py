@@ -180,13 +180,14 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
     stop = stop or threading.Event()
     _install_signal_handlers(stop)
     worker = WorkerProcess(options, role, model_name)
+    role.loop.on_fatal = lambda reason: stop.set()  # e.g. a tensor-parallel rank died
     try:
         print(f"{options.role} worker {options.worker_id} serving on {worker.address} "
               f"(metrics: http://{worker.metrics_address}/metrics)", flush=True)
         worker.run_until(stop)
     finally:
         worker.close()
-    return 0
+    return 1 if role.loop.fatal else 0
 
 
 def drain(role: WorkerRole, server: Server, link: RouterLink, grace_s: float) -> None:

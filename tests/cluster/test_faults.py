@@ -7,6 +7,7 @@ test leaves the cluster with its workers replaced."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from concurrent.futures import Future
@@ -220,3 +221,43 @@ def test_sigterm_drains_the_router(cluster, stub, reference):
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     assert _rest(call, seen) == reference["short"][:60]
     assert router.wait(timeout=60) == 0
+
+
+def _rank_processes(parent: int) -> list[int]:
+    """The tensor-parallel rank processes a worker started (multiprocessing spawns them)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except OSError:
+            continue
+        if ppid == parent and b"spawn_main" in command:
+            found.append(int(entry))
+    return found
+
+
+def test_a_tensor_parallel_rank_killed_mid_stream_takes_its_worker_down(tmp_path, reference):
+    """Two colocated workers of 2 ranks each: SIGKILL one rank of the worker serving a stream;
+    the worker fails its step, exits as a unit (code 1) and the request migrates to the other,
+    its output unchanged."""
+    with start_cluster(tmp_path, prefill=0, decode=0, colocated=2, dtype="float32",
+                       tensor_parallel_size=2, router_args=(
+                           "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S))) as cluster:
+        with channel(cluster.address) as ch:
+            call, seen = _stream_until(pb_grpc.GenerationStub(ch),
+                                       greedy_request(SHORT_PROMPT, 60), 5)
+            victim = _busy_worker(cluster, pb.WORKER_ROLE_COLOCATED, "running_requests")
+            process = cluster.processes[victim]
+            (rank,) = _rank_processes(process.pid)
+            cluster.signalled.add(victim)  # it is meant to exit
+            os.kill(rank, signal.SIGKILL)
+            assert _rest(call, seen) == reference["short"][:60]
+        assert _router_counter(cluster, "pdserve_router_migrations_total{}") == 1
+        assert process.wait(timeout=60) == 1
+        _wait_dropped(cluster, victim)
+        _assert_no_leak(cluster)
