@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # RMSNorm over each head of q and k, before RoPE
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -51,6 +53,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    qk_norm: bool = False  # q and k are RMS-normalised per head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -96,7 +99,8 @@ class ModelConfig:
             raw.get("eos_token_id")
         )
         window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") \
+                and not raw.get("use_sliding_window", False):
             window = None
         return cls(
             architecture=arch,
@@ -115,6 +119,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=int(window) if window else None,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
         )
 
 

@@ -139,6 +139,9 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
     if config.attention_bias:
         out[p + "qkv_bias"] = put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", rows[n])
                                              for n in "qkv"]))
+    if config.qk_norm:  # over head_dim: the same on every rank
+        out[p + "q_norm"] = put(reader.get(f"{p}self_attn.q_norm.weight"))
+        out[p + "k_norm"] = put(reader.get(f"{p}self_attn.k_norm.weight"))
     out[p + "o_weight"] = put(reader.get(f"{p}self_attn.o_proj.weight", None, q_rows))
     bias = f"{p}self_attn.o_proj.bias"  # Llama with attention_bias; Qwen2 has none
     if bias in reader:

@@ -61,6 +61,18 @@ class TorchElementwise:
         self.rope_qk_(qkv[:, :q_size + kv_size].view(t, n_heads + n_kv, head_dim), *rope)
         return q.view(t, n_heads, head_dim), k.view(t, n_kv, head_dim), v
 
+    def norm_rope_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      n_heads: int, n_kv: int, head_dim: int,
+                      norms: tuple[torch.Tensor, torch.Tensor], eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rope_qkv` for models that RMS-normalise each head of q and k first (Qwen3): q, k
+        normalised with `norms` (q's, k's weights over head_dim), then rotated."""
+        t, q_size, kv_size = qkv.shape[0], n_heads * head_dim, n_kv * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = rms_norm(q.reshape(t, n_heads, head_dim), norms[0], eps)
+        k = rms_norm(k.reshape(t, n_kv, head_dim), norms[1], eps)
+        return apply_rope(q, *rope), apply_rope(k, *rope), v.reshape(t, n_kv, head_dim)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2 I] (gate first, as the fused weight is laid out)."""
         gate, up = gate_up.chunk(2, dim=-1)

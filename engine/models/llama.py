@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a flattened ragged batch, no padding.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened ragged batch, no padding.
 
 Weights are fused at load time (q/k/v into one matrix, gate/up into one) so each layer runs four
 matmuls. Numerics follow transformers' implementation (fp32 RMSNorm statistics, fp32 RoPE tables)
@@ -72,6 +72,8 @@ class DecoderLayer:
         self.gate_up_proj = Linear(weights["gate_up_weight"])
         self.down_proj = Linear(weights["down_weight"])
         self.input_norm = weights["input_norm"]
+        # Qwen3: per-head RMSNorm of q and k before RoPE
+        self.qk_norms = (weights["q_norm"], weights["k_norm"]) if "q_norm" in weights else None
         self.post_attention_norm = weights["post_attention_norm"]
         self.eps = config.rms_norm_eps
         self.tp = tp  # o_proj and down_proj hold input columns: their outputs are summed
@@ -87,7 +89,12 @@ class DecoderLayer:
                 kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend,
                 ops: TorchElementwise) -> torch.Tensor:
         _, x = ops.add_rms_norm(h, None, self.input_norm, self.eps)
-        q, k, v = ops.rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv, self.head_dim)
+        if self.qk_norms is None:
+            q, k, v = ops.rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv,
+                                   self.head_dim)
+        else:
+            q, k, v = ops.norm_rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv,
+                                        self.head_dim, self.qk_norms, self.eps)
         attn = self.tp.all_reduce(self.o_proj(self._attend(q, k, v, kv_cache, md, attention)))
         h, x = ops.add_rms_norm(h, attn, self.post_attention_norm, self.eps)
         return h + self.tp.all_reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))

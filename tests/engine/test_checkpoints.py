@@ -1,5 +1,6 @@
-"""`--model PATH` takes any local Llama / Qwen2 / Mistral safetensors checkpoint: sharded or not,
-tied or untied embeddings, attention bias, rope scaling. Greedy output matches transformers."""
+"""`--model PATH` takes any local Llama / Qwen2 / Qwen3 / Mistral safetensors checkpoint: sharded or
+not, tied or untied embeddings, attention bias, rope scaling, q/k norms. Greedy output matches
+transformers."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ VARIANTS = {
     "mistral-untied": ("MistralForCausalLM", {"tie_word_embeddings": False, "head_dim": 32,
                                               "sliding_window": None}),
     "llama-sharded": ("LlamaForCausalLM", {"max_shard_size": "2MB"}),
+    "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+    "qwen3-untied-tp": ("Qwen3ForCausalLM", {"tie_word_embeddings": False}),
     "llama3-rope-bias": ("LlamaForCausalLM", {
         "attention_bias": True, "num_key_value_heads": 1,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
