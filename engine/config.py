@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM")
+# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj
+FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # RMSNorm over each head of q and k, before RoPE
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
@@ -54,6 +56,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int | None = None
     qk_norm: bool = False  # q and k are RMS-normalised per head before RoPE (Qwen3)
+    fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -120,6 +123,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=int(window) if window else None,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
         )
 
 

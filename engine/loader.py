@@ -134,8 +134,12 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
                                                shard.kv_heads.stop * d)
     mlp = None if shard is None else shard.intermediate
     rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
-    out = {p + "qkv_weight": put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.weight", rows[n])
-                                            for n in "qkv"]))}
+    if config.fused_checkpoint:
+        out = {p + "qkv_weight": put(_fused_qkv(reader, f"{p}self_attn.qkv_proj.weight", config,
+                                                q_rows, kv_rows))}
+    else:
+        out = {p + "qkv_weight": put(torch.cat([
+            reader.get(f"{p}self_attn.{n}_proj.weight", rows[n]) for n in "qkv"]))}
     if config.attention_bias:
         out[p + "qkv_bias"] = put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", rows[n])
                                              for n in "qkv"]))
@@ -148,12 +152,29 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
         if shard is None or shard.rank == 0:  # row-parallel: added once, before the all-reduce
             out[p + "o_bias"] = put(reader.get(bias))
         reader.skip(bias)
-    gate = reader.get(f"{p}mlp.gate_proj.weight", mlp)
-    out[p + "gate_up_weight"] = put(torch.cat([gate, reader.get(f"{p}mlp.up_proj.weight", mlp)]))
+    if config.fused_checkpoint:  # gate rows, then up rows
+        name, size = f"{p}mlp.gate_up_proj.weight", config.intermediate_size
+        share = mlp or range(size)
+        gate_up = [reader.get(name, range(share.start + o, share.stop + o)) for o in (0, size)]
+    else:
+        gate_up = [reader.get(f"{p}mlp.{n}_proj.weight", mlp) for n in ("gate", "up")]
+    out[p + "gate_up_weight"] = put(torch.cat(gate_up))
     out[p + "down_weight"] = put(reader.get(f"{p}mlp.down_proj.weight", None, mlp))
     out[p + "input_norm"] = put(reader.get(f"{p}input_layernorm.weight"))
     out[p + "post_attention_norm"] = put(reader.get(f"{p}post_attention_layernorm.weight"))
     return out
+
+
+def _fused_qkv(reader: CheckpointReader, name: str, config: ModelConfig,
+               q_rows: range | None, kv_rows: range | None) -> torch.Tensor:
+    """A fused qkv_proj (q rows, then k's, then v's): whole, or a rank's rows of each part."""
+    if q_rows is None or kv_rows is None:
+        return reader.get(name)
+    k_at = config.num_heads * config.head_dim
+    v_at = k_at + config.num_kv_heads * config.head_dim
+    return torch.cat([reader.get(name, q_rows),
+                      reader.get(name, range(kv_rows.start + k_at, kv_rows.stop + k_at)),
+                      reader.get(name, range(kv_rows.start + v_at, kv_rows.stop + v_at))])
 
 
 def _vocab_rows(rows: torch.Tensor, shard: ShardPlan | None) -> torch.Tensor:

@@ -21,6 +21,9 @@ from engine.tensor_parallel import ShardPlan, TPGroup
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor for the checkpoint's rope type."""
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor {rope.get('partial_rotary_factor')} is not "
+                         "supported: RoPE rotates whole heads here")
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                      / head_dim))
     if rope.rope_type == "default":

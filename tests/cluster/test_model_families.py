@@ -1,7 +1,8 @@
-"""The model families beyond Llama through everything the engine and the cluster do: a tiny random
-Qwen3 checkpoint (per-head q/k RMSNorm), built with transformers' own config class, against
-transformers' greedy output — in the engine under chunked prefill of 16, preemption and prefix
-hits, split over 2 tensor-parallel ranks, and through a 1P+1D cluster over the dist transport."""
+"""The model families beyond Llama through everything the engine and the cluster do: tiny random
+Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused qkv and gate/up weights) checkpoints, built with
+transformers' own config classes, against transformers' greedy output — in the engine under
+chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel ranks, and
+through a 1P+1D cluster over the dist transport."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, default_model_dir):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "Qwen3ForCausalLM",
-                           default_model_dir, seed=5, head_dim=32)
+FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
+            "phi3": ("Phi3ForCausalLM", {"pad_token_id": 0})}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model_dir(request, tmp_path_factory, default_model_dir):
+    arch, overrides = FAMILIES[request.param]
+    return save_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch,
+                           default_model_dir, seed=5, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +39,8 @@ def prompts(workload_prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(qwen3_dir, prompts) -> list[list[int]]:
-    return hf_greedy(qwen3_dir, prompts, MAX_TOKENS)
+def expected(model_dir, prompts) -> list[list[int]]:
+    return hf_greedy(model_dir, prompts, MAX_TOKENS)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -49,11 +55,11 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_qwen3_in_the_engine_equals_transformers(qwen3_dir, prompts, expected, tp):
-    """Chunks of 16 and a cache small enough to preempt; TP 2 splits its 4 query heads over 2
-    KV heads, one each."""
+def test_the_family_in_the_engine_equals_transformers(model_dir, prompts, expected, tp):
+    """Chunks of 16 and a cache small enough to preempt; TP 2 splits the 4 query heads over 2
+    KV heads, one each (Phi-3's fused weights read as each rank's rows of every part)."""
     engine = LLMEngine(EngineConfig(
-        model=str(qwen3_dir), dtype="float32", tensor_parallel_size=tp,
+        model=str(model_dir), dtype="float32", tensor_parallel_size=tp,
         cache=CacheConfig(block_size=16, num_blocks=14),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                   prefill_chunk_size=16)))
@@ -65,8 +71,8 @@ def test_qwen3_in_the_engine_equals_transformers(qwen3_dir, prompts, expected, t
         engine.close()
 
 
-def test_qwen3_through_a_disaggregated_cluster(tmp_path, qwen3_dir, prompts, expected):
-    with start_cluster(tmp_path, prefill=1, decode=1, model=str(qwen3_dir), dtype="float32",
+def test_the_family_through_a_disaggregated_cluster(tmp_path, model_dir, prompts, expected):
+    with start_cluster(tmp_path, prefill=1, decode=1, model=str(model_dir), dtype="float32",
                        kv_transport="dist", router_args=("--local-prefill", "off")) as cluster:
         got = stream_all(cluster.address, prompts, concurrency=len(prompts))
         assert [g[:MAX_TOKENS] for g in got] == expected

@@ -1,6 +1,6 @@
-"""`--model PATH` takes any local Llama / Qwen2 / Qwen3 / Mistral safetensors checkpoint: sharded or
-not, tied or untied embeddings, attention bias, rope scaling, q/k norms. Greedy output matches
-transformers."""
+"""`--model PATH` takes any local Llama / Qwen2 / Qwen3 / Phi-3 / Mistral safetensors checkpoint:
+sharded or not, tied or untied embeddings, attention bias, rope scaling, q/k norms, fused qkv and
+gate/up weights. Greedy output matches transformers."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ VARIANTS = {
     "llama-sharded": ("LlamaForCausalLM", {"max_shard_size": "2MB"}),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
     "qwen3-untied-tp": ("Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+    "phi3-fused": ("Phi3ForCausalLM", {"pad_token_id": 0}),
     "llama3-rope-bias": ("LlamaForCausalLM", {
         "attention_bias": True, "num_key_value_heads": 1,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -53,3 +54,21 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_llama_dir, workload_p
         outs[dtype] = [o.token_ids[0] for o in llm.generate(prompts, params)]
     same = sum(a == b for a, b in zip(outs["float32"], outs["bfloat16"]))
     assert same >= 4  # bf16 rounding may flip a near tie, not most first tokens
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"rope_type": "longrope"}, "unsupported rope_type 'longrope'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+])
+def test_what_the_engine_cannot_run_is_refused_at_load(change, refusal, tmp_path,
+                                                       default_model_dir):
+    import json
+
+    model_dir = save_tiny_model(tmp_path, "Phi3ForCausalLM", default_model_dir, pad_token_id=0)
+    config_file = model_dir / "config.json"
+    config = json.loads(config_file.read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **change}
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=refusal):
+        LLM(config=EngineConfig(model=str(model_dir), dtype="float32",
+                                cache=CacheConfig(num_blocks=16)))
