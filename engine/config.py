@@ -55,6 +55,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    # Per layer, the keys a query sees: the last `w` positions (sliding-window attention), or
+    # None for all of them. Empty: no layer has a window.
+    layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False  # q and k are RMS-normalised per head before RoPE (Qwen3)
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
 
@@ -105,12 +108,13 @@ class ModelConfig:
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") \
                 and not raw.get("use_sliding_window", False):
             window = None
+        layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -122,9 +126,34 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=int(window) if window else None,
+            layer_windows=_layer_windows(raw, int(window) if window else None, layers, source),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
         )
+
+
+def _layer_windows(raw: dict[str, Any], window: int | None, layers: int, source: str
+                   ) -> tuple[int | None, ...]:
+    """Each layer's sliding window: from `layer_types` where the config lists them (transformers
+    5), else from Qwen2's `max_window_layers` (the layers from that index on slide), else the one
+    window on every layer (Mistral)."""
+    if window is None:
+        return ()
+    types = raw.get("layer_types")
+    if types is None and "max_window_layers" in raw:
+        first = int(raw["max_window_layers"])
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if types is None:
+        return (window,) * layers
+    if len(types) != layers:
+        raise ModelPathError(f"{source}: layer_types lists {len(types)} layers, the model has "
+                             f"{layers}")
+    known = {"sliding_attention": window, "full_attention": None}
+    unknown = sorted({t for t in types if t not in known})
+    if unknown:
+        raise ModelPathError(f"{source}: unsupported layer_types {unknown}; supported: "
+                             f"{', '.join(known)}")
+    return tuple(known[t] for t in types)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

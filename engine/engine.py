@@ -69,8 +69,6 @@ class LLMEngine:
         limits = [self.model_config.max_position_embeddings]
         if self.config.max_model_len is not None:
             limits.append(self.config.max_model_len)
-        if self.model_config.sliding_window is not None:  # no sliding-window attention here
-            limits.append(self.model_config.sliding_window)
         return min(limits)
 
     # ---- requests ------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class AttentionBackend:
         self.write_kv: Callable[..., None] = getattr(fn, "write_kv", write_kv_cache)
         # Backends that can attend a fresh prompt straight from this step's K/V say so.
         self._takes_new_kv = bool(getattr(fn, "takes_new_kv", False))
+        self.supports_window = name in ("torch", "reference")
 
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
@@ -59,7 +60,13 @@ class AttentionBackend:
 
     def __call__(self, *args: torch.Tensor,
                  new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 num_kv_splits: int | None = None, **kwargs: object) -> torch.Tensor:
+                 num_kv_splits: int | None = None, window: int | None = None,
+                 **kwargs: object) -> torch.Tensor:
+        if window is not None:  # sliding window: the torch and reference paths only, so far
+            if not self.supports_window:
+                raise ValueError(f"attention backend {self.name!r} has no sliding-window "
+                                 "attention yet: use the torch backend")
+            kwargs["window"] = window
         if self._takes_new_kv:
             kwargs["new_kv"] = new_kv
         if num_kv_splits is not None:  # only the Triton kernel takes it (graphs need Triton)

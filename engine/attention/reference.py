@@ -8,8 +8,9 @@ import torch
 def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
-    max_seq_len: int, out: torch.Tensor | None = None,
+    max_seq_len: int, out: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
+    """`window`: a query at position p sees keys p - window + 1 .. p (sliding window)."""
     del max_query_len, max_seq_len  # the reference walks every sequence in full
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // n_kv
@@ -27,7 +28,10 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
         q_pos = torch.arange(seq_len - lq, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
-        scores = scores.masked_fill((k_pos > q_pos).unsqueeze(0), float("-inf"))
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         result[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
     return result

@@ -65,17 +65,24 @@ class TorchAttentionPlan:
     prefills: list[_Prefill]
     decode_table: torch.Tensor | None = None  # [B, nb] int32, for the native kernel
     decode_lens: torch.Tensor | None = None  # [B] int32
-    _additive: dict[torch.dtype, torch.Tensor] | None = None
+    _additive: dict[tuple[torch.dtype, int | None], torch.Tensor] | None = None
 
-    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """The decode mask as 0 / -inf in the query dtype: SDPA's fused CPU kernel takes it
-        directly, where a boolean mask costs extra conversion passes in every layer."""
+        directly, where a boolean mask costs extra conversion passes in every layer. With a
+        sliding `window`, keys before the window's start are hidden too."""
         if self._additive is None:
             self._additive = {}
-        if dtype not in self._additive:
-            zeros = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            self._additive[dtype] = zeros.masked_fill(~self.decode_mask, float("-inf"))
-        return self._additive[dtype]
+        key = (dtype, window)
+        if key not in self._additive:
+            visible = self.decode_mask
+            if window is not None:
+                positions = torch.arange(visible.shape[-1], device=visible.device)
+                start = (self.decode_lens.long() - window).view(-1, 1, 1, 1)
+                visible = visible & (positions >= start)
+            zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._additive[key] = zeros.masked_fill(~visible, float("-inf"))
+        return self._additive[key]
 
 
 def plan_attention(
@@ -117,24 +124,30 @@ def run_planned_attention(
     plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale: float, out: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, native: ModuleType | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
+    """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p); the
+    native kernel reads every key from 0, so windowed layers take the torch paths."""
+    if window is not None:
+        native = None
     if plan.decode_blocks is not None:
         if native is not None and q.device.type == "cpu":
             _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out)
         else:
-            _attend_decodes(plan, q, k_cache, v_cache, scale, out)
+            _attend_decodes(plan, q, k_cache, v_cache, scale, out, window)
     for p in plan.prefills:
         if native is not None and p.chunk_table is not None and q.device.type == "cpu":
             native.paged_decode_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.chunk_table,
                                           p.chunk_lens, scale, out[p.q_start:p.q_end])
             continue
-        _attend_prefill(p, q, k_cache, v_cache, scale, out, new_kv)
+        _attend_prefill(p, q, k_cache, v_cache, scale, out, new_kv, window)
     return out
 
 
 def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     scale: float, out: torch.Tensor,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None,
+                    window: int | None = None) -> None:
     """One prompt or chunk through torch: SDPA, or query tiles on CPU."""
     lq = p.q_end - p.q_start
     if lq == p.seq_len and new_kv is not None:  # whole prompt in this step: no gather
@@ -143,11 +156,19 @@ def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     else:
         k = _gather(k_cache, p.blocks)[: p.seq_len].transpose(0, 1)
         v = _gather(v_cache, p.blocks)[: p.seq_len].transpose(0, 1)
+    if window is not None and window >= p.seq_len:
+        window = None  # every key is inside it
     if q.device.type == "cpu":
-        _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end])
+        _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end], window)
         return
     q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
-    if lq == p.seq_len:
+    if window is not None:
+        q_pos = torch.arange(p.seq_len - lq, p.seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=(k_pos <= q_pos)
+                                           & (k_pos > q_pos - window), scale=scale,
+                                           enable_gqa=True)
+    elif lq == p.seq_len:
         o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
@@ -168,7 +189,7 @@ def _diagonal_mask(group: int, dtype: torch.dtype, device: torch.device) -> torc
 
 
 def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, window: int | None = None) -> None:
     """Bottom-right causal attention for one sequence's queries ([lq, H, D]; k, v: [n_kv, L, D]),
     PREFILL_TILE query rows at a time, each tile against only the keys it can see, the query
     heads that share a K/V head in one matmul, the mask added to the tile's own keys only (the
@@ -188,19 +209,24 @@ def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         q_tile = grouped[a:b].permute(1, 0, 2, 3).reshape(n_kv, rows * group, head_dim)
         scores = torch.bmm(q_tile, k[:, :keys].transpose(1, 2))
         scores[:, :, offset + a:keys] += diagonal[:rows * group, :rows]
+        if window is not None and offset + b - window > 0:  # some keys fell out of the window
+            q_pos = torch.arange(offset + a, offset + b, device=q.device).repeat_interleave(group)
+            far = torch.arange(keys, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1) - window
+            scores.masked_fill_(far.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
         o = torch.bmm(probs, v[:, :keys]).view(n_kv, rows, group, head_dim)
         out[a:b] = o.permute(1, 0, 2, 3).reshape(rows, heads, head_dim)
 
 
 def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                    v_cache: torch.Tensor, scale: float, out: torch.Tensor,
+                    window: int | None = None) -> None:
     b = plan.decode_mask.shape[0]
     n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = _gather(k_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
     v = _gather(v_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
     q_dec = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-    o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=plan.additive_mask(q.dtype),
+    o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=plan.additive_mask(q.dtype, window),
                                        scale=scale, enable_gqa=True)
     out[plan.decode_rows] = o.squeeze(2)
 
@@ -241,19 +267,19 @@ class TorchPagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
         scale: float, max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
-        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
     ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("TorchPagedAttention.prepare must be called before each step")
         out = torch.empty_like(q) if out is None else out
         return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv,
-                                     self._native)
+                                     self._native, window)
 
 
 def paged_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
-    max_seq_len: int, out: torch.Tensor | None = None,
+    max_seq_len: int, out: torch.Tensor | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """The stateless interface: plans from the tensors, then attends."""
     del max_query_len, max_seq_len
@@ -261,4 +287,4 @@ def paged_attention_torch(
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     plan = plan_attention(block_table, query_lens, seq_lens.tolist(), k_cache.shape[1])
     out = torch.empty_like(q) if out is None else out
-    return run_planned_attention(plan, q, k_cache, v_cache, scale, out)
+    return run_planned_attention(plan, q, k_cache, v_cache, scale, out, window=window)

@@ -69,7 +69,7 @@ class RotaryEmbedding:
 
 class DecoderLayer:
     def __init__(self, weights: dict[str, torch.Tensor], config: ModelConfig, tp: TPGroup,
-                 shard: ShardPlan | None):
+                 shard: ShardPlan | None, window: int | None = None):
         self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
         self.o_proj = Linear(weights["o_weight"], weights.get("o_bias"))
         self.gate_up_proj = Linear(weights["gate_up_weight"])
@@ -79,6 +79,7 @@ class DecoderLayer:
         self.qk_norms = (weights["q_norm"], weights["k_norm"]) if "q_norm" in weights else None
         self.post_attention_norm = weights["post_attention_norm"]
         self.eps = config.rms_norm_eps
+        self.window = window  # sliding-window attention: the last `window` keys only
         self.tp = tp  # o_proj and down_proj hold input columns: their outputs are summed
         self.n_heads, self.n_kv = config.num_heads, config.num_kv_heads
         if shard is not None:  # this rank's heads
@@ -110,7 +111,7 @@ class DecoderLayer:
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
                          max_seq_len=md.max_seq_len, new_kv=(k, v),
-                         num_kv_splits=md.num_kv_splits)
+                         num_kv_splits=md.num_kv_splits, window=self.window)
         return attn.reshape(q.shape[0], self.q_size)
 
 
@@ -130,8 +131,9 @@ class LlamaModel:
         self.embed = weights["embed"]
         self.lm_head = Linear(weights.get("lm_head", self.embed))
         self.norm = weights["norm"]
-        self.layers = [DecoderLayer(weights_i, config, self.tp, shard)
-                       for weights_i in _split_layers(weights)]
+        windows = config.layer_windows or (None,) * config.num_layers
+        self.layers = [DecoderLayer(weights_i, config, self.tp, shard, window)
+                       for weights_i, window in zip(_split_layers(weights), windows)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions,
                                       self.embed.dtype, self.embed.device)
 

@@ -1,5 +1,6 @@
 """The model families beyond Llama through everything the engine and the cluster do: tiny random
-Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused qkv and gate/up weights) checkpoints, built with
+Qwen3 (per-head q/k RMSNorm), Phi-3 (fused qkv and gate/up weights), Mistral with a sliding window
+and Qwen2 with sliding and full layers mixed, checkpoints built with
 transformers' own config classes, against transformers' greedy output — in the engine under
 chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel ranks, and
 through a 1P+1D cluster over the dist transport."""
@@ -19,8 +20,14 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
+# Sliding windows of 24 keys against prompts of up to 80 tokens: chunks, decodes and prefix hits
+# all cross a window's edge (Mistral: every layer; Qwen2: layer 1 of 2, from max_window_layers).
 FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
-            "phi3": ("Phi3ForCausalLM", {"pad_token_id": 0})}
+            "phi3": ("Phi3ForCausalLM", {"pad_token_id": 0}),
+            "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 24}),
+            "qwen2-mixed-sliding": ("Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                         "sliding_window": 24,
+                                                         "max_window_layers": 1})}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

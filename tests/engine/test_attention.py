@@ -114,3 +114,18 @@ def test_stateful_backend_decode_paths_match_reference(native, dtype, name):
     got = backend(*args, **kwargs).float()
     tol = 1e-5 if dtype == torch.float32 else 1.5e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("window", [1, 7, 32, 1000])
+def test_sliding_window_matches_the_reference(name, window):
+    """A query at position p sees keys p - window + 1 .. p: decodes, whole prompts, chunks after
+    a cached prefix, prefill tiles (the native kernel is left out for windowed layers)."""
+    q_lens, seq_lens = CASES[name]
+    args, kwargs = build_case(q_lens, seq_lens, 8, 2)
+    expected = paged_attention_reference(*args, **kwargs, window=window)
+    got = paged_attention_torch(*args, **kwargs, window=window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if window < max(seq_lens):  # the window changed something
+        full = paged_attention_reference(*args, **kwargs)
+        assert not torch.allclose(full, expected, atol=1e-3)
