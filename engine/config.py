@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM")
+                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen3MoeForCausalLM")
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj
 FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # RMSNorm over each head of q and k, before RoPE
+# RMSNorm over each head of q and k, before RoPE
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -33,6 +35,26 @@ class RopeConfig:
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (engine.models.moe): `experts_per_token` of `num_experts`
+    SwiGLU experts of `intermediate_size` each, weighted by the router's probabilities
+    (renormalised over the chosen ones where `normalize_top_k`)."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int
+    normalize_top_k: bool
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or self.intermediate_size < 1:
+            raise ValueError(f"a mixture of experts needs >= 1 expert of >= 1 width, got "
+                             f"{self.num_experts} of {self.intermediate_size}")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token must be in [1, {self.num_experts}], got "
+                             f"{self.experts_per_token}")
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,8 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False  # q and k are RMS-normalised per head before RoPE (Qwen3)
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    moe: MoEConfig | None = None  # the experts of the layers whose MLP is a mixture
+    moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the mixture (else dense)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -129,7 +153,27 @@ class ModelConfig:
             layer_windows=_layer_windows(raw, int(window) if window else None, layers, source),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
+            **_moe_from_hf(raw, arch, layers),
         )
+
+
+def _moe_from_hf(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """Mixtral: every layer's MLP is a mixture, top-k always renormalised. Qwen3-MoE: the layers
+    not in `mlp_only_layers` and on `decoder_sparse_step`, renormalised if `norm_topk_prob`."""
+    if arch == "MixtralForCausalLM":
+        moe = MoEConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]),
+                        int(raw["intermediate_size"]), True)
+        return {"moe": moe, "moe_layers": (True,) * layers}
+    # transformers 5 writes num_local_experts; Qwen3-MoE's own checkpoints num_experts
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    if arch != "Qwen3MoeForCausalLM" or not experts:
+        return {}
+    moe = MoEConfig(int(experts), int(raw["num_experts_per_tok"]),
+                    int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)))
+    dense = set(raw.get("mlp_only_layers") or ())
+    step = int(raw.get("decoder_sparse_step") or 1)
+    return {"moe": moe, "moe_layers": tuple(i not in dense and (i + 1) % step == 0
+                                            for i in range(layers))}
 
 
 def _layer_windows(raw: dict[str, Any], window: int | None, layers: int, source: str

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig, ModelPathError
 from engine.prepare import default_model_dir, is_prepared, prepare_default_model
-from engine.tensor_parallel import ShardPlan
+from engine.tensor_parallel import ShardPlan, split
 
 DEFAULT_MODEL = "default"
 
@@ -122,7 +122,12 @@ def _fuse(reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
         raise ModelPathError("checkpoint has untied embeddings but no 'lm_head.weight'")
     reader.skip("lm_head.weight")
     for i in range(config.num_layers):
-        out.update(_layer(reader, f"layers.{i}.", config, shard, put))
+        p = f"layers.{i}."
+        out.update(_layer(reader, p, config, shard, put))
+        if config.moe_layers and config.moe_layers[i]:
+            out.update(_experts(reader, p, config, shard, put))
+        else:
+            out.update(_dense_mlp(reader, p, config, shard, put))
     return out
 
 
@@ -132,7 +137,6 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
     q_rows = None if shard is None else range(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv_rows = None if shard is None else range(shard.kv_heads.start * d,
                                                shard.kv_heads.stop * d)
-    mlp = None if shard is None else shard.intermediate
     rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
     if config.fused_checkpoint:
         out = {p + "qkv_weight": put(_fused_qkv(reader, f"{p}self_attn.qkv_proj.weight", config,
@@ -152,17 +156,50 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
         if shard is None or shard.rank == 0:  # row-parallel: added once, before the all-reduce
             out[p + "o_bias"] = put(reader.get(bias))
         reader.skip(bias)
+    out[p + "input_norm"] = put(reader.get(f"{p}input_layernorm.weight"))
+    out[p + "post_attention_norm"] = put(reader.get(f"{p}post_attention_layernorm.weight"))
+    return out
+
+
+def _dense_mlp(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPlan | None,
+               put: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    mlp = None if shard is None else shard.intermediate
     if config.fused_checkpoint:  # gate rows, then up rows
         name, size = f"{p}mlp.gate_up_proj.weight", config.intermediate_size
         share = mlp or range(size)
         gate_up = [reader.get(name, range(share.start + o, share.stop + o)) for o in (0, size)]
     else:
         gate_up = [reader.get(f"{p}mlp.{n}_proj.weight", mlp) for n in ("gate", "up")]
-    out[p + "gate_up_weight"] = put(torch.cat(gate_up))
-    out[p + "down_weight"] = put(reader.get(f"{p}mlp.down_proj.weight", None, mlp))
-    out[p + "input_norm"] = put(reader.get(f"{p}input_layernorm.weight"))
-    out[p + "post_attention_norm"] = put(reader.get(f"{p}post_attention_layernorm.weight"))
-    return out
+    return {p + "gate_up_weight": put(torch.cat(gate_up)),
+            p + "down_weight": put(reader.get(f"{p}mlp.down_proj.weight", None, mlp))}
+
+
+# Per-expert weight names (gate, up, down) by where the block lives: Mixtral's checkpoints, and
+# Qwen3-MoE's.
+EXPERT_NAMES = {"block_sparse_moe": ("w1", "w3", "w2"),
+                "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _experts(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPlan | None,
+             put: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A mixture's router and its experts stacked: gate/up [E, 2 I, H], down [E, H, I] (I: this
+    rank's share of each expert), from the per-expert tensors checkpoints hold (transformers
+    too writes them so)."""
+    moe = config.moe
+    assert moe is not None
+    size = moe.intermediate_size
+    share = range(size) if shard is None else split(size, shard.rank, shard.size)
+    block = "block_sparse_moe" if f"{p}block_sparse_moe.gate.weight" in reader else "mlp"
+    router = reader.get(f"{p}{block}.gate.weight")
+    gate_n, up_n, down_n = EXPERT_NAMES[block]
+    e = f"{p}{block}.experts."
+    gate_up = torch.stack([torch.cat([reader.get(f"{e}{i}.{gate_n}.weight", share),
+                                      reader.get(f"{e}{i}.{up_n}.weight", share)])
+                           for i in range(moe.num_experts)])
+    down = torch.stack([reader.get(f"{e}{i}.{down_n}.weight", None, share)
+                        for i in range(moe.num_experts)])
+    return {p + "router": put(router), p + "experts_gate_up": put(gate_up),
+            p + "experts_down": put(down)}
 
 
 def _fused_qkv(reader: CheckpointReader, name: str, config: ModelConfig,

@@ -16,6 +16,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.models.elementwise import TorchElementwise, rms_norm
 from engine.models.linear import Linear
+from engine.models.moe import MoEMLP
 from engine.tensor_parallel import ShardPlan, TPGroup
 
 
@@ -72,8 +73,13 @@ class DecoderLayer:
                  shard: ShardPlan | None, window: int | None = None):
         self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
         self.o_proj = Linear(weights["o_weight"], weights.get("o_bias"))
-        self.gate_up_proj = Linear(weights["gate_up_weight"])
-        self.down_proj = Linear(weights["down_weight"])
+        self.moe = None  # a mixture of experts instead of the dense MLP (Mixtral, Qwen3-MoE)
+        if "router" in weights:
+            self.moe = MoEMLP(config.moe, weights["router"], weights["experts_gate_up"],
+                              weights["experts_down"])
+        else:
+            self.gate_up_proj = Linear(weights["gate_up_weight"])
+            self.down_proj = Linear(weights["down_weight"])
         self.input_norm = weights["input_norm"]
         # Qwen3: per-head RMSNorm of q and k before RoPE
         self.qk_norms = (weights["q_norm"], weights["k_norm"]) if "q_norm" in weights else None
@@ -101,7 +107,12 @@ class DecoderLayer:
                                         self.head_dim, self.qk_norms, self.eps)
         attn = self.tp.all_reduce(self.o_proj(self._attend(q, k, v, kv_cache, md, attention)))
         h, x = ops.add_rms_norm(h, attn, self.post_attention_norm, self.eps)
-        return h + self.tp.all_reduce(self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
+        return h + self.tp.all_reduce(self._mlp(x, ops))
+
+    def _mlp(self, x: torch.Tensor, ops: TorchElementwise) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """The model families beyond Llama through everything the engine and the cluster do: tiny random
-Qwen3 (per-head q/k RMSNorm), Phi-3 (fused qkv and gate/up weights), Mistral with a sliding window
-and Qwen2 with sliding and full layers mixed, checkpoints built with
-transformers' own config classes, against transformers' greedy output — in the engine under
-chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel ranks, and
-through a 1P+1D cluster over the dist transport."""
+Qwen3 (per-head q/k RMSNorm), Phi-3 (fused qkv and gate/up weights), Mistral with a sliding window,
+Qwen2 with sliding and full layers mixed, and the mixtures of experts Mixtral and Qwen3-MoE —
+checkpoints built with transformers' own config classes, against transformers' greedy output: in
+the engine under chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel
+ranks, and through a 1P+1D cluster over the dist transport."""
 
 from __future__ import annotations
 
@@ -27,7 +27,14 @@ FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
             "mistral-sliding": ("MistralForCausalLM", {"sliding_window": 24}),
             "qwen2-mixed-sliding": ("Qwen2ForCausalLM", {"use_sliding_window": True,
                                                          "sliding_window": 24,
-                                                         "max_window_layers": 1})}
+                                                         "max_window_layers": 1}),
+            # Mixtures of experts: 4 experts, 2 per token (Qwen3-MoE: layer 0 dense)
+            "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4,
+                                               "num_experts_per_tok": 2}),
+            "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 48,
+                                                  "norm_topk_prob": True, "head_dim": 32,
+                                                  "mlp_only_layers": [0]})}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -38,3 +38,20 @@ def test_what_is_not_supported_is_named():
         config(architectures=["GemmaForCausalLM"])
     assert config(architectures=["Qwen3ForCausalLM"]).qk_norm
     assert config(architectures=["Phi3ForCausalLM"]).fused_checkpoint
+
+
+def test_which_layers_are_mixtures_of_experts():
+    mixtral = config(architectures=["MixtralForCausalLM"], num_local_experts=8,
+                     num_experts_per_tok=2)
+    assert mixtral.moe.num_experts == 8 and mixtral.moe.normalize_top_k
+    assert mixtral.moe_layers == (True,) * 4
+    qwen3 = config(architectures=["Qwen3MoeForCausalLM"], num_experts=16, num_experts_per_tok=4,
+                   moe_intermediate_size=32, mlp_only_layers=[0], decoder_sparse_step=1)
+    assert qwen3.moe_layers == (False, True, True, True) and not qwen3.moe.normalize_top_k
+    assert qwen3.moe.intermediate_size == 32 and qwen3.qk_norm
+    every_other = config(architectures=["Qwen3MoeForCausalLM"], num_local_experts=4,
+                         num_experts_per_tok=1, moe_intermediate_size=8, decoder_sparse_step=2)
+    assert every_other.moe_layers == (False, True, False, True)
+    with pytest.raises(ValueError, match="experts per token must be in \\[1, 4\\], got 5"):
+        config(architectures=["MixtralForCausalLM"], num_local_experts=4,
+               num_experts_per_tok=5)
