@@ -13,11 +13,11 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj
 FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 # RMSNorm over each head of q and k, before RoPE
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -58,6 +58,18 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaTraits:
+    """What Gemma 3 does unlike Llama: RMSNorm weights used as 1 + w, a norm after attention and
+    after the MLP as well as before each ("sandwich"), embeddings scaled by sqrt(hidden),
+    GELU-tanh in the MLP, queries scaled by `query_pre_attn_scalar` ** -0.5, its sliding layers
+    rotated with their own RoPE base (`rope_local`), and the logits optionally soft-capped."""
+
+    attention_scale: float
+    rope_local: RopeConfig
+    final_logit_softcap: float | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family checkpoint, read from its config.json."""
 
@@ -84,6 +96,7 @@ class ModelConfig:
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
     moe: MoEConfig | None = None  # the experts of the layers whose MLP is a mixture
     moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is the mixture (else dense)
+    gemma: GemmaTraits | None = None  # Gemma 3's differences from Llama
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -154,7 +167,23 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
             **_moe_from_hf(raw, arch, layers),
+            gemma=_gemma_from_hf(raw) if arch == "Gemma3ForCausalLM" else None,
         )
+
+
+def _gemma_from_hf(raw: dict[str, Any]) -> GemmaTraits:
+    if raw.get("attn_logit_softcapping") is not None:  # Gemma 2's; not in this attention yet
+        raise ModelPathError("attn_logit_softcapping is not supported yet (Gemma 2)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelPathError("use_bidirectional_attention is not supported (a causal LM only)")
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:  # transformers 5: one rope per layer type
+        local = _rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    else:
+        local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
+    softcap = raw.get("final_logit_softcapping")
+    return GemmaTraits(float(raw.get("query_pre_attn_scalar", 256)) ** -0.5, local,
+                       float(softcap) if softcap else None)
 
 
 def _moe_from_hf(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
@@ -211,6 +240,8 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes "rope_parameters"; older checkpoints use rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
+    if "full_attention" in params:  # one rope per layer type (Gemma 3): the global layers'
+        params = dict(params["full_attention"] or {})
     scaling = raw.get("rope_scaling") or {}
     params.update({k: v for k, v in scaling.items() if k not in params})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))

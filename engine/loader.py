@@ -115,7 +115,7 @@ def _fuse(reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
 
     vocab = None if shard is None else shard.vocab
     out = {"embed": put(_vocab_rows(reader.get("embed_tokens.weight", vocab), shard)),
-           "norm": put(reader.get("norm.weight"))}
+           "norm": put(_norm(reader.get("norm.weight"), config))}
     if "lm_head.weight" in reader and not config.tie_word_embeddings:
         out["lm_head"] = put(_vocab_rows(reader.get("lm_head.weight", vocab), shard))
     elif not config.tie_word_embeddings:
@@ -148,17 +148,27 @@ def _layer(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPl
         out[p + "qkv_bias"] = put(torch.cat([reader.get(f"{p}self_attn.{n}_proj.bias", rows[n])
                                              for n in "qkv"]))
     if config.qk_norm:  # over head_dim: the same on every rank
-        out[p + "q_norm"] = put(reader.get(f"{p}self_attn.q_norm.weight"))
-        out[p + "k_norm"] = put(reader.get(f"{p}self_attn.k_norm.weight"))
+        for n in ("q", "k"):
+            out[f"{p}{n}_norm"] = put(_norm(reader.get(f"{p}self_attn.{n}_norm.weight"), config))
     out[p + "o_weight"] = put(reader.get(f"{p}self_attn.o_proj.weight", None, q_rows))
     bias = f"{p}self_attn.o_proj.bias"  # Llama with attention_bias; Qwen2 has none
     if bias in reader:
         if shard is None or shard.rank == 0:  # row-parallel: added once, before the all-reduce
             out[p + "o_bias"] = put(reader.get(bias))
         reader.skip(bias)
-    out[p + "input_norm"] = put(reader.get(f"{p}input_layernorm.weight"))
-    out[p + "post_attention_norm"] = put(reader.get(f"{p}post_attention_layernorm.weight"))
+    norms = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm"}
+    if config.gemma is not None:  # a norm before and after the MLP too
+        norms.update(pre_mlp_norm="pre_feedforward_layernorm",
+                     post_mlp_norm="post_feedforward_layernorm")
+    for key, name in norms.items():
+        out[p + key] = put(_norm(reader.get(f"{p}{name}.weight"), config))
     return out
+
+
+def _norm(weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """An RMSNorm weight as the model multiplies by it: Gemma stores w for a scale of 1 + w
+    (added in float32, as transformers computes it)."""
+    return weight.float() + 1.0 if config.gemma is not None else weight
 
 
 def _dense_mlp(reader: CheckpointReader, p: str, config: ModelConfig, shard: ShardPlan | None,

@@ -26,6 +26,9 @@ def default_model_dir() -> Path:
     return resolve_model_path("default")
 
 
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # where the name does not say
+
+
 def save_tiny_model(path: Path, arch: str, tokenizer_from: Path, seed: int = 0,
                     **overrides: object) -> Path:
     """A small random checkpoint of `arch` with the default model's vocabulary and tokenizer."""
@@ -36,7 +39,8 @@ def save_tiny_model(path: Path, arch: str, tokenizer_from: Path, seed: int = 0,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   bos_token_id=1, eos_token_id=2, initializer_range=0.3)
     common.update(overrides)
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_name = CONFIG_CLASSES.get(arch, arch.replace("ForCausalLM", "Config"))
+    config_cls = getattr(transformers, config_name)
     model_cls = getattr(transformers, arch)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).float().eval()

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened ragged batch, no padding.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, Qwen3-MoE, Gemma 3) over a
+flattened ragged batch, no padding.
 
 Weights are fused at load time (q/k/v into one matrix, gate/up into one) so each layer runs four
 matmuls. Numerics follow transformers' implementation (fp32 RMSNorm statistics, fp32 RoPE tables)
@@ -73,14 +74,11 @@ class DecoderLayer:
                  shard: ShardPlan | None, window: int | None = None):
         self.qkv_proj = Linear(weights["qkv_weight"], weights.get("qkv_bias"))
         self.o_proj = Linear(weights["o_weight"], weights.get("o_bias"))
-        self.moe = None  # a mixture of experts instead of the dense MLP (Mixtral, Qwen3-MoE)
-        if "router" in weights:
-            self.moe = MoEMLP(config.moe, weights["router"], weights["experts_gate_up"],
-                              weights["experts_down"])
-        else:
-            self.gate_up_proj = Linear(weights["gate_up_weight"])
-            self.down_proj = Linear(weights["down_weight"])
+        self._build_mlp(weights, config)
         self.input_norm = weights["input_norm"]
+        # Gemma: a norm before and after the MLP, and after attention, each before its residual
+        self.sandwich = (weights["pre_mlp_norm"], weights["post_mlp_norm"]) \
+            if "pre_mlp_norm" in weights else None
         # Qwen3: per-head RMSNorm of q and k before RoPE
         self.qk_norms = (weights["q_norm"], weights["k_norm"]) if "q_norm" in weights else None
         self.post_attention_norm = weights["post_attention_norm"]
@@ -93,7 +91,19 @@ class DecoderLayer:
         self.head_dim = config.head_dim
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        gemma = config.gemma
+        self.scale = gemma.attention_scale if gemma else self.head_dim ** -0.5
+        self.local_rope = gemma is not None and window is not None  # Gemma's sliding layers
+
+    def _build_mlp(self, weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+        self.moe = None  # a mixture of experts instead of the dense MLP (Mixtral, Qwen3-MoE)
+        self.gelu = config.gemma is not None  # GELU-tanh (Gemma), else SiLU
+        if "router" in weights:
+            self.moe = MoEMLP(config.moe, weights["router"], weights["experts_gate_up"],
+                              weights["experts_down"])
+        else:
+            self.gate_up_proj = Linear(weights["gate_up_weight"])
+            self.down_proj = Linear(weights["down_weight"])
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend,
@@ -106,12 +116,25 @@ class DecoderLayer:
             q, k, v = ops.norm_rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv,
                                         self.head_dim, self.qk_norms, self.eps)
         attn = self.tp.all_reduce(self.o_proj(self._attend(q, k, v, kv_cache, md, attention)))
+        if self.sandwich is not None:
+            return self._sandwiched(h, attn, ops)
         h, x = ops.add_rms_norm(h, attn, self.post_attention_norm, self.eps)
         return h + self.tp.all_reduce(self._mlp(x, ops))
+
+    def _sandwiched(self, h: torch.Tensor, attn: torch.Tensor, ops: TorchElementwise
+                    ) -> torch.Tensor:
+        """Gemma's rest of the layer: attention and MLP outputs normed before their residual."""
+        pre, post = self.sandwich
+        h = h + rms_norm(attn, self.post_attention_norm, self.eps)
+        mlp = self.tp.all_reduce(self._mlp(rms_norm(h, pre, self.eps), ops))
+        return h + rms_norm(mlp, post, self.eps)
 
     def _mlp(self, x: torch.Tensor, ops: TorchElementwise) -> torch.Tensor:
         if self.moe is not None:
             return self.moe(x)
+        if self.gelu:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -147,6 +170,10 @@ class LlamaModel:
                        for weights_i, window in zip(_split_layers(weights), windows)]
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_positions,
                                       self.embed.dtype, self.embed.device)
+        # Gemma: its sliding layers rotate with their own base
+        self.rotary_local = None if config.gemma is None else RotaryEmbedding(
+            config.gemma.rope_local, config.head_dim, max_positions, self.embed.dtype,
+            self.embed.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,16 +184,29 @@ class LlamaModel:
                 kv_caches: list[torch.Tensor], md: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         h = self._embed(input_ids)
-        rope = self.rotary.lookup(positions)
+        ropes = {False: self.rotary.lookup(positions)}
+        if self.rotary_local is not None:
+            ropes[True] = self.rotary_local.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer.forward(h, rope, kv_cache, md, attention, self.elementwise)
+            h = layer.forward(h, ropes[layer.local_rope], kv_cache, md, attention,
+                              self.elementwise)
         h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(h)
         if self.shard is not None:  # each rank scored its vocabulary rows
             logits = self.tp.gather_columns(logits, self.config.vocab_size)
+        gemma = self.config.gemma
+        if gemma is not None and gemma.final_logit_softcap:
+            cap = gemma.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self._lookup(input_ids)
+        if self.config.gemma is not None:  # scaled by sqrt(hidden), in the weights' dtype
+            h = h * torch.tensor(self.config.hidden_size ** 0.5, dtype=h.dtype)
+        return h
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard is None:
             return F.embedding(input_ids, self.embed)
         # Vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere; summed.

@@ -34,7 +34,14 @@ FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
             "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                   "moe_intermediate_size": 48,
                                                   "norm_topk_prob": True, "head_dim": 32,
-                                                  "mlp_only_layers": [0]})}
+                                                  "mlp_only_layers": [0]}),
+            # Gemma 3: sandwich norms, GELU-tanh, scaled embeddings, q/k norms, a sliding layer
+            # with its own RoPE base and a global one, soft-capped logits
+            "gemma3": ("Gemma3ForCausalLM", {"head_dim": 32, "query_pre_attn_scalar": 24,
+                                             "sliding_window": 24,
+                                             "layer_types": ["sliding_attention",
+                                                             "full_attention"],
+                                             "final_logit_softcapping": 30.0})}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -91,3 +98,27 @@ def test_the_family_through_a_disaggregated_cluster(tmp_path, model_dir, prompts
         got = stream_all(cluster.address, prompts, concurrency=len(prompts))
         assert [g[:MAX_TOKENS] for g in got] == expected
         assert all(w.free_blocks == w.total_blocks for w in wait_blocks_free(cluster))
+
+
+def test_the_family_scores_a_prompt_as_transformers_does(model_dir, prompts):
+    """Logits, not only greedy tokens: every prompt position's log-probability of the next prompt
+    token (computed in chunks of 16, so windows and chunk edges cross) within 1e-4 of
+    transformers' float32 log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = max(prompts, key=len)
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="float32", cache=CacheConfig(block_size=16, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=16)))
+    engine.add_request(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), request_id="p")
+    got = None
+    while engine.has_unfinished_requests():
+        got = next((o.prompt_logprobs for o in engine.step() if o.finished), got)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    worst = max(abs(got[p][prompt[p]] - expected[p - 1, prompt[p]].item())
+                for p in range(1, len(prompt)))
+    assert worst < 1e-4, worst
