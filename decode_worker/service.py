@@ -66,6 +66,8 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             self.gate.reject(context, "Decode", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             self.gate.reject(context, "Decode", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
+            self.gate.reject(context, "Decode", grpc.StatusCode.ABORTED, str(exc))
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op.
         context.add_callback(lambda: self.worker.abort_later(rid))

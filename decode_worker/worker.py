@@ -42,6 +42,7 @@ class DecodePolicy:
         self.table = table
 
     def before_step(self, engine: LLMEngine) -> None:
+        engine.expire_held()  # prompts held for forks that never came (engine.forks)
         for request_id in self.table.expire():
             log.warning("reservation of %s expired before its KV arrived; blocks freed",
                         request_id)

@@ -87,6 +87,11 @@ class BlockManager:
         free = len(self._evictable) - cached
         return BlockUsage(used=self.num_blocks - len(self._evictable), cached=cached, free=free)
 
+    def num_allocatable(self, cached_blocks: Sequence[int] = ()) -> int:
+        """Fresh blocks an allocation taking `cached_blocks` (prefix hits) could still get: hits
+        that sit in the evictable pool are not available for fresh allocation."""
+        return len(self._evictable) - sum(1 for b in cached_blocks if b in self._evictable)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -158,9 +163,7 @@ class BlockManager:
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens)
         have = len(request.block_ids) + len(cached_blocks)
-        # Cached hits that sit in the evictable pool are not available for fresh allocation.
-        hits_evictable = sum(1 for b in cached_blocks if b in self._evictable)
-        if needed - have > len(self._evictable) - hits_evictable:
+        if needed - have > self.num_allocatable(cached_blocks):
             return False
         for block_id in cached_blocks:
             self._ref(block_id)

@@ -141,10 +141,7 @@ class ModelConfig:
         eos = _as_id_tuple((gen_raw or {}).get("eos_token_id")) + _as_id_tuple(
             raw.get("eos_token_id")
         )
-        window = raw.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") \
-                and not raw.get("use_sliding_window", False):
-            window = None
+        window = _sliding_window(raw, arch)
         layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch,
@@ -162,8 +159,8 @@ class ModelConfig:
             attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=int(window) if window else None,
-            layer_windows=_layer_windows(raw, int(window) if window else None, layers, source),
+            sliding_window=window,
+            layer_windows=_layer_windows(raw, arch, window, layers, source),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
             **_moe_from_hf(raw, arch, layers),
@@ -205,15 +202,24 @@ def _moe_from_hf(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
                                             for i in range(layers))}
 
 
-def _layer_windows(raw: dict[str, Any], window: int | None, layers: int, source: str
-                   ) -> tuple[int | None, ...]:
+def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
+    """The window size; Qwen's configs carry one that only `use_sliding_window` turns on."""
+    window = raw.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
+            and not raw.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, window: int | None, layers: int,
+                   source: str) -> tuple[int | None, ...]:
     """Each layer's sliding window: from `layer_types` where the config lists them (transformers
     5), else from Qwen2's `max_window_layers` (the layers from that index on slide), else the one
     window on every layer (Mistral)."""
     if window is None:
         return ()
     types = raw.get("layer_types")
-    if types is None and "max_window_layers" in raw:
+    if types is None and "max_window_layers" in raw and arch == "Qwen2ForCausalLM":
         first = int(raw["max_window_layers"])
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if types is None:

@@ -152,8 +152,9 @@ class LLMEngine:
         bm = self.block_manager
         hits = bm.find_cached_prefix(request)
         num_hit = len(hits) * bm.block_size
-        if not bm.allocate_slots(request, request.num_prompt_tokens - num_hit, hits):
-            return False
+        while not bm.allocate_slots(request, request.num_prompt_tokens - num_hit, hits):
+            if not self.scheduler.forks.release_reclaimable():  # held prompts give way first
+                return False
         bm.record_prefix_lookup(request.num_prompt_tokens, num_hit)
         request.num_cached_tokens = num_hit
         return True
@@ -178,8 +179,18 @@ class LLMEngine:
         copies = self.scheduler.add_forked(request, source_id)
         if copies is None:
             return False
-        self.runner.copy_blocks(copies)
+        try:
+            self.runner.copy_blocks(copies)
+        except Exception:  # no copy, no fork: it must not run on a block it never got
+            self.scheduler.finish(request, FinishReason.ABORT)
+            raise
+        finally:
+            self.scheduler.forks.release_spent()
         return True
+
+    def expire_held(self) -> None:
+        """Release the held prompts (engine.forks) whose lease ended, also while idle."""
+        self.scheduler.forks.expire()
 
     def detach(self, request_id: str) -> Request:
         """Stop scheduling a request but keep its blocks (its KV is being shipped)."""

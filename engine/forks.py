@@ -53,14 +53,15 @@ class ForkSources:
         return [s.holder for s in self._sources.values()]
 
     def hold(self, request: Request) -> None:
-        """Keep the prompt blocks of `request` (its prompt computed) for its expected forks."""
+        """Keep the prompt blocks of `request` (its prompt computed) for its expected forks.
+        Nothing is held when it no longer has them (preempted meanwhile, under async
+        scheduling): its forks then prefill on their own."""
         count, request.forks_expected = request.forks_expected, 0
         if count <= 0 or request.request_id in self._sources:
             return
         num_blocks = self.block_manager.blocks_needed(request.num_prompt_tokens)
         if len(request.block_ids) < num_blocks:
-            raise RuntimeError(f"request {request.request_id} holds {len(request.block_ids)} "
-                               f"blocks, its prompt needs {num_blocks}")
+            return
         holder = Request(f"{request.request_id}#fork-source", request.prompt_token_ids,
                          request.params)
         self.block_manager.share(holder, request.block_ids[:num_blocks])
@@ -85,13 +86,14 @@ class ForkSources:
             bm.free(fork)
             fork.num_computed_tokens = 0
             return None
-        copy = (source.holder.block_ids[last], fork.block_ids[last])
-        source.left -= 1
-        if source.left <= 0:
-            # The copy is queued on the device before any later step could reuse the block.
-            self._release(source_id)
+        source.left -= 1  # a spent source is released after the copy (`release_spent`)
         self.num_forked += 1
-        return [copy]
+        return [(source.holder.block_ids[last], fork.block_ids[last])]
+
+    def release_spent(self) -> None:
+        """Release the sources every expected fork took (call once their copies are made)."""
+        for source_id in [k for k, s in self._sources.items() if s.left <= 0]:
+            self._release(source_id)
 
     def expire(self) -> None:
         """Give up the sources whose lease ended."""
@@ -99,16 +101,25 @@ class ForkSources:
         for source_id in [k for k, s in self._sources.items() if s.expires <= now]:
             self._release(source_id)
 
-    def release_oldest(self) -> bool:
-        """Give up the oldest source (the scheduler needs blocks); False when there is none."""
-        if not self._sources:
-            return False
-        self._release(next(iter(self._sources)))
-        return True
+    def reclaimable(self) -> int:
+        """Blocks that releasing every source would free (those no request holds too)."""
+        blocks = self.block_manager.blocks
+        return sum(1 for s in self._sources.values() for b in s.holder.block_ids
+                   if blocks[b].ref_count == 1)
+
+    def release_reclaimable(self) -> bool:
+        """Give up the oldest source whose release frees a block (the scheduler needs blocks);
+        False when none would."""
+        blocks = self.block_manager.blocks
+        for source_id, source in self._sources.items():
+            if any(blocks[b].ref_count == 1 for b in source.holder.block_ids):
+                self._release(source_id)
+                return True
+        return False
 
     def release_all(self) -> None:
-        while self.release_oldest():
-            pass
+        for source_id in list(self._sources):
+            self._release(source_id)
 
     def _release(self, source_id: str) -> None:
         source = self._sources.pop(source_id)

@@ -199,6 +199,9 @@ def _experts(reader: CheckpointReader, p: str, config: ModelConfig, shard: Shard
     assert moe is not None
     size = moe.intermediate_size
     share = range(size) if shard is None else split(size, shard.rank, shard.size)
+    if not share:
+        raise ValueError(f"tensor_parallel_size {shard.size} is more than the experts' width "
+                         f"{size}: a rank would hold nothing of them")
     block = "block_sparse_moe" if f"{p}block_sparse_moe.gate.weight" in reader else "mlp"
     router = reader.get(f"{p}{block}.gate.weight")
     gate_n, up_n, down_n = EXPERT_NAMES[block]

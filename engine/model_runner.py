@@ -134,6 +134,21 @@ class ModelRunner:
                           elementwise=select_elementwise(config.fused_kernels, self.device),
                           tp=group, shard=shard)
 
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        if self.ranks is None:
+            return self.model.forward(step.input_ids, step.positions, self.kv_caches,
+                                      step.metadata, self.attention, step.logits_rows)
+        batch = step.host  # the other ranks run their shares of this forward beside ours
+        self.ranks.send(("step", batch, batch.logits_rows + batch.prompt_rows))
+        try:
+            return self.model.forward(step.input_ids, step.positions, self.kv_caches,
+                                      step.metadata, self.attention, step.logits_rows)
+        except Exception as exc:
+            # The ranks may be inside a collective this rank never reached: the group is out
+            # of step for good, so it stops here (the worker then goes down as a unit).
+            self.ranks.break_off(f"rank 0's forward failed: {exc!r}")
+            raise
+
     def broken(self) -> str | None:
         """Why this runner can never run a step again (a tensor-parallel rank is gone)."""
         return self.ranks.lost() if self.ranks is not None else None
@@ -301,11 +316,7 @@ class ModelRunner:
         if step.graph_bucket is not None:
             logits = self.graphs.replay(step.graph_bucket)[step.logits_rows]
         else:
-            if self.ranks is not None:  # they run their shares of this forward beside ours
-                batch = step.host
-                self.ranks.send(("step", batch, batch.logits_rows + batch.prompt_rows))
-            logits = self.model.forward(step.input_ids, step.positions, self.kv_caches,
-                                        step.metadata, self.attention, step.logits_rows)
+            logits = self._forward(step)
         sampling_items = [s for s in step.items if s.samples]
         prompt = None
         if step.prompt is not None:  # its rows follow the sampling rows

@@ -200,7 +200,7 @@ class Scheduler:
         victims already scheduled this step (possible only when short_first reorders the pass)."""
         refund = 0
         while not self.block_manager.allocate_slots(request, num):
-            if self.forks.release_oldest():  # held prompts give way before running requests
+            if self.forks.release_reclaimable():  # held prompts give way before requests
                 continue
             victim = self.running[-1]  # the newest request gives way
             self._preempt(victim)
@@ -255,9 +255,13 @@ class Scheduler:
     def _allocate_waiting(self, request: Request, num: int, hits: list[int]) -> bool:
         """Blocks for a waiting request's chunk, giving up held prompts (engine.forks) if that is
         what it takes."""
-        while not self.block_manager.allocate_slots(request, num, hits):
-            if not self.forks.release_oldest():
+        bm = self.block_manager
+        while not bm.allocate_slots(request, num, hits):
+            needed = bm.blocks_needed(request.num_computed_tokens + len(hits) * bm.block_size
+                                      + num) - len(request.block_ids) - len(hits)
+            if needed > bm.num_allocatable(hits) + self.forks.reclaimable():  # could not help
                 return False
+            self.forks.release_reclaimable()
         return True
 
     def _drop_admitted(self) -> None:  # in place: callers may hold `scheduler.waiting`

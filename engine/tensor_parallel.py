@@ -5,7 +5,7 @@ columns (row-parallel: their partial products are summed by one all-reduce after
 after the MLP), the embedding and the LM head by vocabulary rows (a masked lookup summed by an
 all-reduce; the logits gathered). Attention heads are split by KV-head group, so every rank's query
 heads attend its own KV heads: with more KV heads than ranks each rank takes a contiguous range of
-them (uneven where they do not divide: 3 KV heads over 2 ranks are 2 + 1), with fewer each KV head
+them (uneven where they do not divide: 3 KV heads over 2 ranks are 1 + 2), with fewer each KV head
 is replicated on the ranks that share its query heads.
 
 The group is a standalone gloo (CPU) or NCCL (CUDA) process group over its own TCP store, not

@@ -51,6 +51,7 @@ class TensorParallelRanks:
 
     def __init__(self, spec: RankSpec, store: dist.TCPStore):
         self._store = store  # the group's rendezvous: kept while the group lives
+        self._broken: str | None = None
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
@@ -77,8 +78,15 @@ class TensorParallelRanks:
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {answer}")
 
+    def break_off(self, reason: str) -> None:
+        """The group can no longer run in step: stop the ranks, and say why from now on."""
+        self._broken = reason
+        self.close()
+
     def lost(self) -> str | None:
         """Why the group cannot run any more (a rank is gone), or None."""
+        if self._broken is not None:
+            return self._broken
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             if not proc.is_alive():
                 return f"tensor-parallel rank {rank} is gone ({_last_word(conn, proc)})"
@@ -86,6 +94,8 @@ class TensorParallelRanks:
 
     def send(self, message: tuple) -> None:
         """Hand every rank the same command ("step", batch, rows) or ("copy", pairs)."""
+        if self._broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken ({self._broken})")
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             if not proc.is_alive() or conn.poll():  # dead, or it reported an error and left
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone "

@@ -96,9 +96,15 @@ class WorkerOptions:
                              f"{self.queue_policy!r}")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"--prefill-chunk-size must be >= 1, got {self.prefill_chunk_size}")
+        self._check_numbers()
+        self._check_tensor_parallel()
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id",
+                               f"{self.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    def _check_numbers(self) -> None:
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        self._check_tensor_parallel()
         if not 0 < self.gpu_memory_fraction <= 0.95:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 0.95], got "
                              f"{self.gpu_memory_fraction}")
@@ -106,9 +112,6 @@ class WorkerOptions:
                      "queue_age_bound_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.worker_id:
-            object.__setattr__(self, "worker_id",
-                               f"{self.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -179,8 +179,8 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
     """Run until SIGINT/SIGTERM (or `stop` is set), drain, and return the exit code."""
     stop = stop or threading.Event()
     _install_signal_handlers(stop)
-    worker = WorkerProcess(options, role, model_name)
     role.loop.on_fatal = lambda reason: stop.set()  # e.g. a tensor-parallel rank died
+    worker = WorkerProcess(options, role, model_name)  # (the loop starts in here)
     try:
         print(f"{options.role} worker {options.worker_id} serving on {worker.address} "
               f"(metrics: http://{worker.metrics_address}/metrics)", flush=True)

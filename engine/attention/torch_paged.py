@@ -65,6 +65,7 @@ class TorchAttentionPlan:
     prefills: list[_Prefill]
     decode_table: torch.Tensor | None = None  # [B, nb] int32, for the native kernel
     decode_lens: torch.Tensor | None = None  # [B] int32
+    max_seq_len: int = 0  # the step's longest sequence (a window at least as long changes nothing)
     _additive: dict[tuple[torch.dtype, int | None], torch.Tensor] | None = None
 
     def additive_mask(self, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
@@ -96,7 +97,7 @@ def plan_attention(
     prefills = [_prefill(block_table, i, starts[i], starts[i + 1], seq_lens[i], block_size)
                 for i, n in enumerate(query_lens) if n != 1]
     if not decode_idx:
-        return TorchAttentionPlan(None, None, None, prefills)
+        return TorchAttentionPlan(None, None, None, prefills, max_seq_len=max(seq_lens))
     max_len = max(seq_lens[i] for i in decode_idx)
     num_blocks = -(-max_len // block_size)
     rows: torch.Tensor | slice
@@ -111,7 +112,7 @@ def plan_attention(
     positions = torch.arange(num_blocks * block_size, device=device)
     mask = (positions.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
     return TorchAttentionPlan(rows, table.reshape(-1).long(), mask, prefills,
-                              table.contiguous(), lens)
+                              table.contiguous(), lens, max(seq_lens))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,8 @@ def run_planned_attention(
 ) -> torch.Tensor:
     """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p); the
     native kernel reads every key from 0, so windowed layers take the torch paths."""
+    if window is not None and window >= plan.max_seq_len:
+        window = None  # every key of this step is inside it: the native kernel may run
     if window is not None:
         native = None
     if plan.decode_blocks is not None:

@@ -57,18 +57,23 @@ class CallStream:
             self.start = head.end()
             deltas.append(CallDelta(self.index, "", json.loads(f'"{head.group(1)}"'), self.id))
         body = self.text[self.start:]
-        held = body.rstrip()  # the call's closing brace (and space) may end it: held back
-        safe = len(held[:-1].rstrip()) if held.endswith("}") else len(body)
-        return deltas + self._send(body, safe)
+        end = value_end(body)
+        if end is None and not body.lstrip().startswith(("{", "[")):
+            held = body.rstrip()  # not an object: the call's closing brace may end it
+            end = len(held[:-1].rstrip()) if held.endswith("}") else len(body)
+        return deltas + self._send(body, len(body) if end is None else end)
 
     def finish(self) -> list[CallDelta] | None:
         """The rest of the arguments; None when the text never was a call."""
         if self.start is None:
             return None
-        body = self.text[self.start:].rstrip()
-        if body.endswith("}"):
-            body = body[:-1].rstrip()
-        return self._send(body, len(body))
+        body = self.text[self.start:]
+        end = value_end(body)
+        if end is None:  # cut short, or not an object: all there is, less the call's brace
+            body = body.rstrip()
+            end = len(body) - 1 if body.endswith("}") and body.lstrip()[:1] not in "{[" \
+                else len(body)
+        return self._send(body, end)
 
     def _send(self, body: str, upto: int) -> list[CallDelta]:
         if upto <= self.sent:
@@ -115,7 +120,8 @@ class ToolStream:
             return content, [CallDelta(0, c.arguments, c.name, c.id) for c in calls]
         deltas = call.feed(self._buffer)  # auto: an unclosed call takes what is held
         ended = call.finish()
-        if ended is None:
+        if ended is None:  # not a call after all
+            self.calls -= 1
             return OPEN + call.text, []
         return "", deltas + ended
 
@@ -148,6 +154,28 @@ class ToolStream:
             deltas += ended or []
             self._call = None
         return (content if not (self.calls and not content.strip()) else ""), deltas
+
+
+def value_end(text: str) -> int | None:
+    """Where the JSON object or array `text` starts with ends (after its closing bracket), or
+    None while it is open (or it is not one): what comes after belongs to the call, not to its
+    arguments."""
+    depth, in_string, escaped = 0, False, False
+    for i, char in enumerate(text):
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+            continue
+        if char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and not char.isspace():
+            return None  # a scalar value
+    return None
 
 
 def merge(deltas: list[CallDelta]) -> list[CallDelta]:

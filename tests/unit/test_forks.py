@@ -52,10 +52,22 @@ def test_a_fork_shares_the_prompt_and_copies_the_block_it_ends_in(length, shared
         assert fork.block_ids[shared] not in leader.block_ids
         assert fork.num_computed_tokens == length - 1  # its first step: the last position
         bm.check_integrity([leader, *forks[:forks.index(fork) + 1], *sources.holders()])
-    assert len(sources) == 0 and sources.num_forked == 2  # every fork came: released
+    assert len(sources) == 1  # spent, held until its copies are made
+    sources.release_spent()
+    assert len(sources) == 0 and sources.num_forked == 2
     for request in (leader, *forks):
         bm.free(request)
     assert bm.usage().used == 0
+
+
+def test_a_request_that_lost_its_blocks_holds_nothing():
+    """Async scheduling: preempted while its last chunk ran, it samples with no blocks."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sources = ForkSources(bm, Clock())
+    leader = Request("a", list(range(10)), SamplingParams())
+    leader.forks_expected = 2
+    sources.hold(leader)
+    assert len(sources) == 0 and leader.forks_expected == 0
 
 
 def test_a_source_outlives_its_request_until_its_lease_ends():
@@ -89,9 +101,10 @@ def test_no_fork_for_another_prompt_or_without_room():
     assert sources.take("a", same) is None  # no free block for its copy: nothing taken
     assert not same.block_ids and same.num_computed_tokens == 0
     bm.check_integrity([leader, *sources.holders()])
-    assert sources.release_oldest() and not sources.release_oldest()
+    assert sources.reclaimable() == 0 and not sources.release_reclaimable()  # leader holds them
     bm.free(leader)
-    assert bm.usage().used == 0
+    assert sources.reclaimable() == 3 and sources.release_reclaimable()
+    assert bm.usage().used == 0 and len(sources) == 0
 
 
 def test_followers_wait_for_the_leader_to_publish_or_give_up():

@@ -101,7 +101,7 @@ def test_a_required_call_streams_its_arguments_once_its_name_is_known():
     assert before >= 3  # arguments went out before the end
     stream = ToolStream(ToolPlan("required"))
     sent = "".join(d.arguments for p in pieces[:6] for d in stream.feed(p)[1])
-    assert sent == '{"city": "Oslo"'  # a brace that may close the call waits for what follows
+    assert sent == '{"city": "Oslo"}'  # its object closed: sent at once (the call's brace never)
     # the arguments first: nothing streams, the whole call comes at the end
     _, late, before = stream_all(ToolPlan("required"), ['{"arguments": {}, ', '"name": "t"}'])
     assert before == 0 and calls_of(late) == [("t", "{}")]
@@ -166,3 +166,19 @@ def test_a_template_that_writes_tool_calls_renders_tools_and_the_calls_made(tmp_
     assert "You may call: get_weather get_time" in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_arguments_end_where_their_object_does():
+    """Keys after the arguments, braces inside strings and a partial close tag held at the end
+    are not arguments; a block that never was a call makes no finish_reason tool_calls."""
+    pieces = ['<tool_call>{"name": "f", "arguments": {"s": "}{\\"x"', ', "n": [1, {"a": 2}]}',
+              ', "x": 2}</tool_call>']
+    content, deltas, _ = stream_all(ToolPlan("auto"), pieces)
+    args = calls_of(deltas)[0][1]
+    assert json.loads(args) == {"s": '}{"x', "n": [1, {"a": 2}]} and content == ""
+    _, cut, _ = stream_all(ToolPlan("auto"), ['<tool_call>{"name": "f", "arguments": {"a": 1}}',
+                                              "</tool_c"])  # the output ends mid-tag
+    assert calls_of(cut) == [("f", '{"a": 1}')]
+    stream = ToolStream(ToolPlan("auto"))
+    stream.feed("<tool_call>not a call")
+    assert stream.finish() == ("<tool_call>not a call", []) and stream.calls == 0
