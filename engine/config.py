@@ -11,13 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-# Checkpoints that store q/k/v as one qkv_proj and gate/up as one gate_up_proj
-FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
-# RMSNorm over each head of q and k, before RoPE
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 
 
@@ -59,7 +52,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class GemmaTraits:
-    """What Gemma 3 does unlike Llama: RMSNorm weights used as 1 + w, a norm after attention and
+    """What Gemma 2 and 3 do unlike Llama: RMSNorm weights used as 1 + w, a norm after attention and
     after the MLP as well as before each ("sandwich"), embeddings scaled by sqrt(hidden),
     GELU-tanh in the MLP, queries scaled by `query_pre_attn_scalar` ** -0.5, its sliding layers
     rotated with their own RoPE base (`rope_local`), and the logits optionally soft-capped."""
@@ -67,6 +60,7 @@ class GemmaTraits:
     attention_scale: float
     rope_local: RopeConfig
     final_logit_softcap: float | None = None
+    attention_softcap: float | None = None  # Gemma 2: attention scores soft-capped
 
 
 @dataclass(frozen=True)
@@ -99,10 +93,12 @@ class ModelConfig:
     gemma: GemmaTraits | None = None  # Gemma 3's differences from Llama
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        from engine.architectures import ARCHITECTURES
+
+        if self.architecture not in ARCHITECTURES:
             raise ModelPathError(
                 f"unsupported architecture {self.architecture!r}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(ARCHITECTURES)}"
             )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
@@ -129,19 +125,14 @@ class ModelConfig:
     def from_hf_dict(
         cls, raw: dict[str, Any], gen_raw: dict[str, Any] | None = None, source: str = "config"
     ) -> ModelConfig:
-        archs = raw.get("architectures") or [raw.get("model_type", "<none>")]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelPathError(
-                f"unsupported architecture {arch!r} in {source}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        from engine.architectures import family_fields, find
+
+        arch, family = find(raw, source)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = _as_id_tuple((gen_raw or {}).get("eos_token_id")) + _as_id_tuple(
             raw.get("eos_token_id")
         )
-        window = _sliding_window(raw, arch)
         layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch,
@@ -153,86 +144,12 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(raw),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
             eos_token_ids=tuple(dict.fromkeys(eos)),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=window,
-            layer_windows=_layer_windows(raw, arch, window, layers, source),
-            qk_norm=arch in QK_NORM_ARCHITECTURES,
-            fused_checkpoint=arch in FUSED_CHECKPOINT_ARCHITECTURES,
-            **_moe_from_hf(raw, arch, layers),
-            gemma=_gemma_from_hf(raw) if arch == "Gemma3ForCausalLM" else None,
+            **family_fields(raw, family, layers, source),
         )
-
-
-def _gemma_from_hf(raw: dict[str, Any]) -> GemmaTraits:
-    if raw.get("attn_logit_softcapping") is not None:  # Gemma 2's; not in this attention yet
-        raise ModelPathError("attn_logit_softcapping is not supported yet (Gemma 2)")
-    if raw.get("use_bidirectional_attention"):
-        raise ModelPathError("use_bidirectional_attention is not supported (a causal LM only)")
-    params = raw.get("rope_parameters") or {}
-    if "sliding_attention" in params:  # transformers 5: one rope per layer type
-        local = _rope_from_hf({"rope_parameters": params["sliding_attention"]})
-    else:
-        local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10000.0)))
-    softcap = raw.get("final_logit_softcapping")
-    return GemmaTraits(float(raw.get("query_pre_attn_scalar", 256)) ** -0.5, local,
-                       float(softcap) if softcap else None)
-
-
-def _moe_from_hf(raw: dict[str, Any], arch: str, layers: int) -> dict[str, Any]:
-    """Mixtral: every layer's MLP is a mixture, top-k always renormalised. Qwen3-MoE: the layers
-    not in `mlp_only_layers` and on `decoder_sparse_step`, renormalised if `norm_topk_prob`."""
-    if arch == "MixtralForCausalLM":
-        moe = MoEConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]),
-                        int(raw["intermediate_size"]), True)
-        return {"moe": moe, "moe_layers": (True,) * layers}
-    # transformers 5 writes num_local_experts; Qwen3-MoE's own checkpoints num_experts
-    experts = raw.get("num_experts") or raw.get("num_local_experts")
-    if arch != "Qwen3MoeForCausalLM" or not experts:
-        return {}
-    moe = MoEConfig(int(experts), int(raw["num_experts_per_tok"]),
-                    int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)))
-    dense = set(raw.get("mlp_only_layers") or ())
-    step = int(raw.get("decoder_sparse_step") or 1)
-    return {"moe": moe, "moe_layers": tuple(i not in dense and (i + 1) % step == 0
-                                            for i in range(layers))}
-
-
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    """The window size; Qwen's configs carry one that only `use_sliding_window` turns on."""
-    window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") \
-            and not raw.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
-
-
-def _layer_windows(raw: dict[str, Any], arch: str, window: int | None, layers: int,
-                   source: str) -> tuple[int | None, ...]:
-    """Each layer's sliding window: from `layer_types` where the config lists them (transformers
-    5), else from Qwen2's `max_window_layers` (the layers from that index on slide), else the one
-    window on every layer (Mistral)."""
-    if window is None:
-        return ()
-    types = raw.get("layer_types")
-    if types is None and "max_window_layers" in raw and arch == "Qwen2ForCausalLM":
-        first = int(raw["max_window_layers"])
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if types is None:
-        return (window,) * layers
-    if len(types) != layers:
-        raise ModelPathError(f"{source}: layer_types lists {len(types)} layers, the model has "
-                             f"{layers}")
-    known = {"sliding_attention": window, "full_attention": None}
-    unknown = sorted({t for t in types if t not in known})
-    if unknown:
-        raise ModelPathError(f"{source}: unsupported layer_types {unknown}; supported: "
-                             f"{', '.join(known)}")
-    return tuple(known[t] for t in types)
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -241,18 +158,6 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
-
-
-def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters"; older checkpoints use rope_theta + rope_scaling.
-    params = dict(raw.get("rope_parameters") or {})
-    if "full_attention" in params:  # one rope per layer type (Gemma 3): the global layers'
-        params = dict(params["full_attention"] or {})
-    scaling = raw.get("rope_scaling") or {}
-    params.update({k: v for k, v in scaling.items() if k not in params})
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = str(params.pop("rope_type", params.pop("type", "default")))
-    return RopeConfig(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())))
 
 
 @dataclass(frozen=True)

@@ -98,10 +98,11 @@ class ModelRunner:
                                             config.cache.shareable)
         self.kv_caches = self.kv_buffer.layers
         self.attention = get_attention_backend(config.attention_backend, self.device)
-        if any(model_config.layer_windows) and not self.attention.supports_window:
-            raise ValueError(f"this model has sliding-window layers, which the "
-                             f"{self.attention.name!r} attention backend does not do yet: use "
-                             "--attention-backend torch")
+        softcap = model_config.gemma is not None and model_config.gemma.attention_softcap
+        if (any(model_config.layer_windows) or softcap) and not self.attention.supports_window:
+            raise ValueError(f"this model has sliding-window layers or soft-capped attention, "
+                             f"which the {self.attention.name!r} attention backend does not do "
+                             "yet: use --attention-backend torch")
         self.sampler = Sampler()
         self.grammars = GrammarBook(model_path, model_config.vocab_size)
         # the penalties' token counts, per request on the device (engine.token_counts)

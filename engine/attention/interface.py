@@ -61,12 +61,13 @@ class AttentionBackend:
     def __call__(self, *args: torch.Tensor,
                  new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  num_kv_splits: int | None = None, window: int | None = None,
-                 **kwargs: object) -> torch.Tensor:
-        if window is not None:  # sliding window: the torch and reference paths only, so far
-            if not self.supports_window:
-                raise ValueError(f"attention backend {self.name!r} has no sliding-window "
-                                 "attention yet: use the torch backend")
-            kwargs["window"] = window
+                 softcap: float | None = None, **kwargs: object) -> torch.Tensor:
+        for name, value in (("window", window), ("softcap", softcap)):
+            if value is not None:  # sliding window, logit soft-capping: torch and reference
+                if not self.supports_window:
+                    raise ValueError(f"attention backend {self.name!r} has no {name} yet: use "
+                                     "the torch backend")
+                kwargs[name] = value
         if self._takes_new_kv:
             kwargs["new_kv"] = new_kv
         if num_kv_splits is not None:  # only the Triton kernel takes it (graphs need Triton)

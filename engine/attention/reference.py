@@ -9,8 +9,10 @@ def paged_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """`window`: a query at position p sees keys p - window + 1 .. p (sliding window)."""
+    """`window`: a query at position p sees keys p - window + 1 .. p (sliding window);
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2)."""
     del max_query_len, max_seq_len  # the reference walks every sequence in full
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // n_kv
@@ -26,6 +28,8 @@ def paged_attention_reference(
         k_i = k_i.repeat_interleave(group, dim=1)  # [S, H, D]
         v_i = v_i.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - lq, seq_len).unsqueeze(1)
         k_pos = torch.arange(seq_len).unsqueeze(0)
         hidden = k_pos > q_pos

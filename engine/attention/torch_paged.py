@@ -125,32 +125,33 @@ def run_planned_attention(
     plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale: float, out: torch.Tensor,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, native: ModuleType | None = None,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p); the
-    native kernel reads every key from 0, so windowed layers take the torch paths."""
+    """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p);
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). The
+    native kernel does neither, so such layers take the torch paths."""
     if window is not None and window >= plan.max_seq_len:
         window = None  # every key of this step is inside it: the native kernel may run
-    if window is not None:
+    if window is not None or softcap is not None:
         native = None
     if plan.decode_blocks is not None:
         if native is not None and q.device.type == "cpu":
             _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out)
         else:
-            _attend_decodes(plan, q, k_cache, v_cache, scale, out, window)
+            _attend_decodes(plan, q, k_cache, v_cache, scale, out, window, softcap)
     for p in plan.prefills:
         if native is not None and p.chunk_table is not None and q.device.type == "cpu":
             native.paged_decode_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.chunk_table,
                                           p.chunk_lens, scale, out[p.q_start:p.q_end])
             continue
-        _attend_prefill(p, q, k_cache, v_cache, scale, out, new_kv, window)
+        _attend_prefill(p, q, k_cache, v_cache, scale, out, new_kv, window, softcap)
     return out
 
 
 def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     scale: float, out: torch.Tensor,
                     new_kv: tuple[torch.Tensor, torch.Tensor] | None,
-                    window: int | None = None) -> None:
+                    window: int | None = None, softcap: float | None = None) -> None:
     """One prompt or chunk through torch: SDPA, or query tiles on CPU."""
     lq = p.q_end - p.q_start
     if lq == p.seq_len and new_kv is not None:  # whole prompt in this step: no gather
@@ -161,8 +162,9 @@ def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache
         v = _gather(v_cache, p.blocks)[: p.seq_len].transpose(0, 1)
     if window is not None and window >= p.seq_len:
         window = None  # every key is inside it
-    if q.device.type == "cpu":
-        _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end], window)
+    if q.device.type == "cpu" or softcap is not None:  # SDPA cannot soft-cap
+        _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end], window,
+                              softcap)
         return
     q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
     if window is not None:
@@ -192,7 +194,8 @@ def _diagonal_mask(group: int, dtype: torch.dtype, device: torch.device) -> torc
 
 
 def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                          out: torch.Tensor, window: int | None = None) -> None:
+                          out: torch.Tensor, window: int | None = None,
+                          softcap: float | None = None) -> None:
     """Bottom-right causal attention for one sequence's queries ([lq, H, D]; k, v: [n_kv, L, D]),
     PREFILL_TILE query rows at a time, each tile against only the keys it can see, the query
     heads that share a K/V head in one matmul, the mask added to the tile's own keys only (the
@@ -211,6 +214,8 @@ def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         rows, keys = b - a, offset + b
         q_tile = grouped[a:b].permute(1, 0, 2, 3).reshape(n_kv, rows * group, head_dim)
         scores = torch.bmm(q_tile, k[:, :keys].transpose(1, 2))
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores[:, :, offset + a:keys] += diagonal[:rows * group, :rows]
         if window is not None and offset + b - window > 0:  # some keys fell out of the window
             q_pos = torch.arange(offset + a, offset + b, device=q.device).repeat_interleave(group)
@@ -223,14 +228,22 @@ def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, scale: float, out: torch.Tensor,
-                    window: int | None = None) -> None:
+                    window: int | None = None, softcap: float | None = None) -> None:
     b = plan.decode_mask.shape[0]
     n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
     k = _gather(k_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
     v = _gather(v_cache, plan.decode_blocks).view(b, -1, n_kv, head_dim).transpose(1, 2)
     q_dec = q[plan.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-    o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=plan.additive_mask(q.dtype, window),
-                                       scale=scale, enable_gqa=True)
+    mask = plan.additive_mask(q.dtype, window)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q_dec, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    else:  # SDPA cannot soft-cap: the scores spelled out, as transformers' eager path does
+        group = q_dec.shape[1] // n_kv
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q_dec, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + mask
+        o = torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype), v)
     out[plan.decode_rows] = o.squeeze(2)
 
 
@@ -271,18 +284,20 @@ class TorchPagedAttention:
         block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *,
         scale: float, max_query_len: int, max_seq_len: int, out: torch.Tensor | None = None,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self._plan is None:
             raise RuntimeError("TorchPagedAttention.prepare must be called before each step")
         out = torch.empty_like(q) if out is None else out
         return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv,
-                                     self._native, window)
+                                     self._native, window, softcap)
 
 
 def paged_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The stateless interface: plans from the tensors, then attends."""
     del max_query_len, max_seq_len
@@ -290,4 +305,5 @@ def paged_attention_torch(
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     plan = plan_attention(block_table, query_lens, seq_lens.tolist(), k_cache.shape[1])
     out = torch.empty_like(q) if out is None else out
-    return run_planned_attention(plan, q, k_cache, v_cache, scale, out, window=window)
+    return run_planned_attention(plan, q, k_cache, v_cache, scale, out, window=window,
+                                 softcap=softcap)

@@ -93,6 +93,7 @@ class DecoderLayer:
         self.kv_size = self.n_kv * self.head_dim
         gemma = config.gemma
         self.scale = gemma.attention_scale if gemma else self.head_dim ** -0.5
+        self.softcap = gemma.attention_softcap if gemma else None  # Gemma 2
         self.local_rope = gemma is not None and window is not None  # Gemma's sliding layers
 
     def _build_mlp(self, weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
@@ -145,7 +146,8 @@ class DecoderLayer:
         attn = attention(q, k_cache, v_cache, md.block_table, md.seq_lens, md.query_start_loc,
                          scale=self.scale, max_query_len=md.max_query_len,
                          max_seq_len=md.max_seq_len, new_kv=(k, v),
-                         num_kv_splits=md.num_kv_splits, window=self.window)
+                         num_kv_splits=md.num_kv_splits, window=self.window,
+                         softcap=self.softcap)
         return attn.reshape(q.shape[0], self.q_size)
 
 

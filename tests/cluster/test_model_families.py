@@ -41,6 +41,14 @@ FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
                                              "sliding_window": 24,
                                              "layer_types": ["sliding_attention",
                                                              "full_attention"],
+                                             "final_logit_softcapping": 30.0}),
+            # Gemma 2: the same, no q/k norms, one RoPE, attention scores soft-capped (a cap of
+            # 5 so the random scores reach the tanh's bend)
+            "gemma2": ("Gemma2ForCausalLM", {"head_dim": 32, "query_pre_attn_scalar": 24,
+                                             "sliding_window": 24,
+                                             "layer_types": ["sliding_attention",
+                                                             "full_attention"],
+                                             "attn_logit_softcapping": 5.0,
                                              "final_logit_softcapping": 30.0})}
 
 
@@ -61,7 +69,7 @@ def prompts(workload_prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir, prompts) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts, MAX_TOKENS)
+    return hf_greedy(model_dir, prompts, MAX_TOKENS, attn_implementation="eager")
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -115,7 +123,8 @@ def test_the_family_scores_a_prompt_as_transformers_does(model_dir, prompts):
     got = None
     while engine.has_unfinished_requests():
         got = next((o.prompt_logprobs for o in engine.step() if o.finished), got)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
     with torch.inference_mode():
         logits = model(torch.tensor([prompt])).logits[0].float()
     expected = torch.log_softmax(logits, dim=-1)

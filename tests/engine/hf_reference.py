@@ -7,10 +7,14 @@ from pathlib import Path
 import torch
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              attn_implementation: str | None = None) -> list[list[int]]:
+    """`attn_implementation` "eager" for models whose SDPA path drops a feature (Gemma 2's
+    attention soft-capping)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
     outputs = []
     with torch.inference_mode():
         for ids in prompts:

@@ -129,3 +129,17 @@ def test_sliding_window_matches_the_reference(name, window):
     if window < max(seq_lens):  # the window changed something
         full = paged_attention_reference(*args, **kwargs)
         assert not torch.allclose(full, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["decode", "mixed", "long_prefill_and_chunk"])
+@pytest.mark.parametrize("window", [None, 32])
+def test_soft_capped_scores_match_the_reference(name, window):
+    """Gemma 2: scores become cap * tanh(scores / cap) before the mask, in every path."""
+    q_lens, seq_lens = CASES[name]
+    args, kwargs = build_case(q_lens, seq_lens, 8, 2)
+    args = (args[0] * 4, *args[1:])  # scores large enough for the cap to bend them
+    expected = paged_attention_reference(*args, **kwargs, window=window, softcap=2.0)
+    got = paged_attention_torch(*args, **kwargs, window=window, softcap=2.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    uncapped = paged_attention_reference(*args, **kwargs, window=window)
+    assert not torch.allclose(uncapped, expected, atol=1e-3)

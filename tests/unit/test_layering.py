@@ -66,7 +66,7 @@ def test_engine_imports_neither_grpc_nor_ray():
 
 def test_bookkeeping_modules_import_no_torch():
     for name in ("request", "block_manager", "scheduler", "queue_order", "forks", "config",
-                 "tokenizer"):
+                 "architectures", "tokenizer"):
         assert "torch" not in imports_of(ROOT / "engine" / f"{name}.py"), name
 
 
