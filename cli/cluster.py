@@ -74,8 +74,12 @@ def _add_launch_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--port", type=int, default=50051)
     launch.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     launch.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="colocated workers: split the model over N ranks, one process each "
-                             "(CPU, gloo; prefill/decode workers: not yet)")
+                        help="split each worker's model over N ranks, one process each (CPU, "
+                             "gloo)")
+    launch.add_argument("--prefill-tp", type=int, default=None,
+                        help="prefill workers' ranks (default: --tensor-parallel-size)")
+    launch.add_argument("--decode-tp", type=int, default=None,
+                        help="decode workers' ranks (default: --tensor-parallel-size)")
     launch.add_argument("--dtype", default=None)
     launch.add_argument("--kv-cache-gb", type=float, default=None)
     launch.add_argument("--log-dir", type=Path, default=Path("logs"))
@@ -129,6 +133,13 @@ def _add_plan_args(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--profile", type=Path, default=None,
                       help="a worker's measured speed (python -m engine.profile --out FILE); "
                            "default: measure one now (default model, 1 thread)")
+    plan.add_argument("--prefill-tp", type=int, default=1,
+                      help="ranks per prefill worker (--workers then counts devices)")
+    plan.add_argument("--decode-tp", type=int, default=1,
+                      help="ranks per decode (and colocated) worker")
+    plan.add_argument("--tp-profile", action="append", default=None, metavar="N=FILE",
+                      help="a worker's speed at tensor-parallel size N (python -m "
+                           "engine.profile --tensor-parallel-size N --out FILE); repeatable")
     plan.add_argument("--requests", type=int, default=400, help="simulated requests per run")
     plan.add_argument("--seeds", type=int, default=5, help="runs per rate (medians reported)")
     plan.add_argument("--max-tokens-cap", type=int, default=None,
@@ -220,6 +231,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
                        tensor_parallel_size=args.tensor_parallel_size,
+                       prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        http_port=args.http_port, log_level=args.log_level,
                        log_format=args.log_format, **credentials)
 

@@ -16,7 +16,7 @@ from serving.worker_main import WorkerRole
 
 def decode_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
     def connect(book: ReservationBook, on_refused: OnRefused) -> list[KVReceiveConnector]:
-        return receive_connectors(connector_options(options), engine.runner.kv_buffer, book,
+        return receive_connectors(connector_options(options), engine.runner.kv_shards, book,
                                   on_refused)
 
     worker = DecodeWorker(engine, options, connect if options.role == "decode" else no_receivers)

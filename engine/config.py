@@ -281,8 +281,7 @@ class EngineConfig:
     # same outputs, the host's work off the GPU's critical path.
     async_scheduling: bool | None = None
     # Ranks the model is split over (engine.tensor_parallel): one process per rank, gloo on CPU.
-    # The CUDA speed paths, async scheduling and a shareable (KV-exporting) cache are not yet
-    # supported with more than one.
+    # The CUDA speed paths and async scheduling are not yet supported with more than one.
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -321,9 +320,6 @@ class EngineConfig:
         if self.async_scheduling or self.fused_kernels or self.cuda_graphs:
             raise ValueError("tensor_parallel_size > 1 does not support async_scheduling, "
                              "fused_kernels or cuda_graphs yet")
-        if self.cache.shareable:
-            raise ValueError("tensor_parallel_size > 1 cannot export its KV cache yet (a "
-                             "disaggregated worker's): each rank holds only its heads")
 
     def _resolve_speed_paths(self) -> None:
         """Each GPU speed path left unset is on for CUDA (graphs only where triton attention

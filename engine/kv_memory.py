@@ -50,3 +50,68 @@ def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch
         raise
     tensor = torch.frombuffer(mapping, dtype=dtype).view(shape)
     return KVBuffer(tensor, list(tensor.unbind(0)), fd, mapping)
+
+
+def map_kv_buffer(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> KVBuffer:
+    """Map another process's shareable CPU cache (its memfd, received over a socket) into this
+    one; the buffer keeps the fd, so this process can export it in turn."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if os.fstat(fd).st_size != num_bytes:
+        raise ValueError(f"the cache's memfd holds {os.fstat(fd).st_size} bytes, a "
+                         f"{shape} {dtype} cache is {num_bytes}")
+    mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    tensor = torch.frombuffer(mapping, dtype=dtype).view(shape)
+    return KVBuffer(tensor, list(tensor.unbind(0)), fd, mapping)
+
+
+@dataclass(frozen=True)
+class KVShards:
+    """A worker's whole KV cache as its transports see it: each rank's buffer with the model's
+    KV heads it holds. An engine of one rank has one buffer holding every head; under tensor
+    parallelism rank 0 maps every rank's buffer (engine.tp_ranks), and a KV head that the ranks
+    replicate (fewer KV heads than ranks) is held by several buffers."""
+
+    buffers: tuple[KVBuffer, ...]
+    heads: tuple[range, ...]  # buffers[i] holds the model's KV heads heads[i], in order
+    num_kv_heads: int  # the model's
+
+    def __post_init__(self) -> None:
+        if len(self.buffers) != len(self.heads) or not self.buffers:
+            raise ValueError(f"{len(self.buffers)} buffers for {len(self.heads)} head ranges")
+        for buffer, heads in zip(self.buffers, self.heads):
+            if buffer.tensor.shape[4] != len(heads) or heads.stop > self.num_kv_heads:
+                raise ValueError(f"a buffer of {buffer.tensor.shape[4]} KV heads cannot hold "
+                                 f"heads {heads.start}..{heads.stop - 1} of {self.num_kv_heads}")
+        held = set().union(*(set(h) for h in self.heads))
+        if held != set(range(self.num_kv_heads)):
+            raise ValueError(f"the buffers hold KV heads {sorted(held)}, not all "
+                             f"{self.num_kv_heads}")
+
+    @classmethod
+    def whole(cls, buffer: KVBuffer) -> KVShards:
+        """One buffer holding every KV head (an engine of one rank)."""
+        heads = buffer.tensor.shape[4]
+        return cls((buffer,), (range(heads),), heads)
+
+    @property
+    def primary(self) -> torch.Tensor:
+        return self.buffers[0].tensor
+
+    def layout(self) -> dict[str, object]:
+        """What a peer's cache must match for blocks to move between us, whatever either's
+        tensor-parallel split: layers, block size, KV heads, head size and dtype."""
+        layers, _, _, block_size, _, head_dim = self.primary.shape
+        return {"layers": layers, "block_size": block_size, "kv_heads": self.num_kv_heads,
+                "head_dim": head_dim, "dtype": str(self.primary.dtype).removeprefix("torch.")}
+
+    def layout_text(self) -> str:
+        """`layout` as one line ("layers=30 block_size=16 kv_heads=3 ..."): what a worker's
+        registration tells the router, which compares it with its peers'."""
+        return " ".join(f"{key}={value}" for key, value in self.layout().items())
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of every layer and KV head, K and V: what a block costs on the wire."""
+        layers, two, _, block_size, _, head_dim = self.primary.shape
+        return (layers * two * block_size * self.num_kv_heads * head_dim
+                * self.primary.element_size())

@@ -13,7 +13,7 @@ from engine.attention import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import DecodeGraphs, DecodeRows
 from engine.device_tensors import to_device
-from engine.kv_memory import allocate_kv_buffer
+from engine.kv_memory import KVShards, allocate_kv_buffer
 from engine.kv_sizing import num_kv_blocks
 from engine.loader import load_weights
 from engine.logits_processing import RowHistory, stop_ids_for_min_tokens
@@ -97,6 +97,7 @@ class ModelRunner:
         self.kv_buffer = allocate_kv_buffer(shape, self.dtype, self.device,
                                             config.cache.shareable)
         self.kv_caches = self.kv_buffer.layers
+        self.kv_shards = self._kv_shards(model_config)
         self.attention = get_attention_backend(config.attention_backend, self.device)
         softcap = model_config.gemma is not None and model_config.gemma.attention_softcap
         if (any(model_config.layer_windows) or softcap) and not self.attention.supports_window:
@@ -134,6 +135,16 @@ class ModelRunner:
         return LlamaModel(model_config, weights, max_positions=max_model_len,
                           elementwise=select_elementwise(config.fused_kernels, self.device),
                           tp=group, shard=shard)
+
+    def _kv_shards(self, model_config: ModelConfig) -> KVShards:
+        """The whole cache as the KV transports see it: ours, and every other rank's as this
+        process maps it."""
+        if self.ranks is None:
+            return KVShards.whole(self.kv_buffer)
+        size = len(self.ranks.kv_buffers) + 1
+        heads = tuple(shard_of(model_config, rank, size).kv_heads for rank in range(size))
+        return KVShards((self.kv_buffer, *self.ranks.kv_buffers), heads,
+                        model_config.num_kv_heads)
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         if self.ranks is None:

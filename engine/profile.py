@@ -3,7 +3,7 @@ to prefill and how long a decode step takes at each batch size, with the offline
 machine, fitted to the cost model the planner simulates (planner.simulator.Profile).
 
     .venv/bin/python -m engine.profile [--model default] [--dtype float32] [--threads 1]
-        [--out profile.json]
+        [--tensor-parallel-size 1] [--out profile.json]
 
 Prefill: each length's prompt alone (random token ids, 512-token chunks as the workers run
 them), median of `--repeats`; fitted as steps × per-step + tokens × per-token + tokens² ×
@@ -30,9 +30,10 @@ from engine.request import SamplingParams
 CHUNK_TOKENS = 512  # the workers' step budget (SchedulerConfig.max_num_batched_tokens)
 
 
-def _engine(model: str, dtype: str | None) -> LLMEngine:
+def _engine(model: str, dtype: str | None, tensor_parallel_size: int = 1) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, dtype=dtype, scheduler=SchedulerConfig(
-        max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=64)))
+        max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=64),
+        tensor_parallel_size=tensor_parallel_size))
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -77,8 +78,8 @@ def least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
 
 
 def measure(model: str, dtype: str | None, lengths: list[int], batches: list[int],
-            repeats: int) -> dict:
-    engine = _engine(model, dtype)
+            repeats: int, tensor_parallel_size: int = 1) -> dict:
+    engine = _engine(model, dtype, tensor_parallel_size)
     rng = random.Random(0)
     prefill_seconds(engine, 64, 1, rng)  # warm-up
     prefill = [prefill_seconds(engine, n, repeats, rng) for n in lengths]
@@ -86,8 +87,10 @@ def measure(model: str, dtype: str | None, lengths: list[int], batches: list[int
     step, token, token2 = least_squares(
         [[-(-n // CHUNK_TOKENS), n, n * n] for n in lengths], prefill)
     base, per_seq = least_squares([[1.0, b] for b in batches], decode)
+    engine.close()
     return {"model": model, "dtype": str(engine.dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads(), "chunk_tokens": CHUNK_TOKENS,
+            "threads": torch.get_num_threads(), "tensor_parallel_size": tensor_parallel_size,
+            "chunk_tokens": CHUNK_TOKENS,
             "prefill": {"lengths": lengths, "seconds": prefill,
                         "per_step_s": step, "per_token_s": token, "per_token2_s": token2},
             "decode": {"batches": batches, "step_seconds": decode,
@@ -99,15 +102,17 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--lengths", default="128,512,1024,2048")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads * args.tensor_parallel_size)  # each rank gets its share
     profile = measure(args.model, args.dtype, [int(x) for x in args.lengths.split(",")],
-                      [int(x) for x in args.batches.split(",")], args.repeats)
+                      [int(x) for x in args.batches.split(",")], args.repeats,
+                      args.tensor_parallel_size)
     text = json.dumps(profile, indent=2)
     if args.out is not None:
         args.out.write_text(text + "\n")

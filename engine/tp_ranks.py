@@ -17,11 +17,13 @@ import os
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 
 import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.kv_memory import KVBuffer, map_kv_buffer
 from engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, ShardPlan, TPGroup
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,9 @@ class RankSpec:
 
 
 class TensorParallelRanks:
-    """Rank 0's handle on ranks 1..size-1."""
+    """Rank 0's handle on ranks 1..size-1. On CPU each rank's KV cache lives in a memfd that
+    rank 0 maps too (`kv_buffers`): the KV transports read and write every rank's heads from
+    rank 0's process, as they do a single-rank cache."""
 
     def __init__(self, spec: RankSpec, store: dist.TCPStore):
         self._store = store  # the group's rendezvous: kept while the group lives
@@ -55,6 +59,7 @@ class TensorParallelRanks:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
+        self.kv_buffers: list[KVBuffer] = []  # ranks 1.. (CPU): their caches, mapped here
         for rank in range(1, spec.size):
             ours, theirs = context.Pipe()
             proc = context.Process(target=rank_main, args=(spec, rank, theirs, os.getpid()),
@@ -66,9 +71,9 @@ class TensorParallelRanks:
         self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
         self.group = TPGroup.join(store, 0, spec.size, torch.device(spec.device))
         for rank, conn in enumerate(self._conns, start=1):
-            self._expect_ready(rank, conn)
+            self._expect_ready(rank, conn, spec)
 
-    def _expect_ready(self, rank: int, conn: Connection) -> None:
+    def _expect_ready(self, rank: int, conn: Connection, spec: RankSpec) -> None:
         if not conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} did not start within "
@@ -77,6 +82,15 @@ class TensorParallelRanks:
         if answer != "ready":
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {answer}")
+        if torch.device(spec.device).type == "cpu":
+            try:
+                fd = recv_handle(conn)
+                self.kv_buffers.append(map_kv_buffer(fd, rank_cache_shape(spec, rank),
+                                                     spec.dtype))
+            except (OSError, ValueError) as exc:
+                self.close()
+                raise RuntimeError(f"mapping tensor-parallel rank {rank}'s KV cache: "
+                                   f"{exc}") from exc
 
     def break_off(self, reason: str) -> None:
         """The group can no longer run in step: stop the ranks, and say why from now on."""
@@ -151,6 +165,8 @@ def rank_main(spec: RankSpec, rank: int, conn: Connection, parent: int) -> None:
         conn.send(f"{type(exc).__name__}: {exc}")
         return
     conn.send("ready")
+    if shard.kv.fd is not None:  # rank 0 maps our cache (its transports move our heads)
+        send_handle(conn, shard.kv.fd, parent)
     while True:
         if not conn.poll(POLL_S):
             if os.getppid() != parent:  # rank 0 is gone
@@ -184,9 +200,8 @@ class RankShard:
         shard = shard_of(config, rank, spec.size)
         weights = load_weights(Path(spec.model_path), config, spec.dtype, self.device, shard)
         self.model = LlamaModel(config, weights, spec.max_positions, tp=group, shard=shard)
-        shape = (config.num_layers, 2, spec.num_blocks, spec.block_size, len(shard.kv_heads),
-                 config.head_dim)
-        self.kv = allocate_kv_buffer(shape, spec.dtype, self.device)
+        self.kv = allocate_kv_buffer(rank_cache_shape(spec, rank), spec.dtype, self.device,
+                                     shareable=True)
         self.attention = get_attention_backend(spec.attention_backend, self.device)
 
     def run(self, message: tuple) -> None:
@@ -201,6 +216,12 @@ class RankShard:
                                self.block_size)
         self.model.forward(input_ids, positions, self.kv.layers, md, self.attention,
                            torch.tensor(rows, dtype=torch.int64, device=self.device))
+
+
+def rank_cache_shape(spec: RankSpec, rank: int) -> tuple[int, ...]:
+    config = spec.model_config
+    heads = len(shard_of(config, rank, spec.size).kv_heads)
+    return (config.num_layers, 2, spec.num_blocks, spec.block_size, heads, config.head_dim)
 
 
 def shard_of(config: ModelConfig, rank: int, size: int) -> ShardPlan:

@@ -15,7 +15,7 @@ from kv_transfer.connector import (
 from kv_transfer.selection import MODES, TRANSPORTS
 
 if TYPE_CHECKING:
-    from engine.kv_memory import KVBuffer
+    from engine.kv_memory import KVShards
 
 
 @dataclass(frozen=True)
@@ -44,35 +44,35 @@ def exports_cache(mode: str) -> bool:
     return mode in ("auto", "shared")
 
 
-def send_connectors(options: ConnectorOptions, buffer: KVBuffer) -> dict[str, KVSendConnector]:
+def send_connectors(options: ConnectorOptions, cache: KVShards) -> dict[str, KVSendConnector]:
     # Each transport is imported only when it is used: a worker never loads one it will not run.
     def shared() -> KVSendConnector:
         from kv_transfer.shared.connector import SharedSendConnector
 
-        return SharedSendConnector(options.worker_id, buffer, options.timeout_s,
+        return SharedSendConnector(options.worker_id, cache, options.timeout_s,
                                    options.write_pause_s)
 
     def dist() -> KVSendConnector:
         from kv_transfer.dist.connector import DistSendConnector
 
-        return DistSendConnector(options.worker_id, options.host, buffer, options.timeout_s)
+        return DistSendConnector(options.worker_id, options.host, cache, options.timeout_s)
 
     build = {"shared": shared, "dist": dist}
     return {name: build[name]() for name in options.transports}
 
 
-def receive_connectors(options: ConnectorOptions, buffer: KVBuffer, book: ReservationBook,
+def receive_connectors(options: ConnectorOptions, cache: KVShards, book: ReservationBook,
                        on_refused: OnRefused) -> list[KVReceiveConnector]:
     def shared() -> KVReceiveConnector:
         from kv_transfer.shared.connector import SharedReceiveConnector
 
-        return SharedReceiveConnector(options.worker_id, buffer, book)
+        return SharedReceiveConnector(options.worker_id, cache, book)
 
     def dist() -> KVReceiveConnector:
         from kv_transfer.dist.connector import DistReceiveConnector
 
         return DistReceiveConnector(options.worker_id, options.host, options.public_host,
-                                    buffer, options.timeout_s, book, on_refused)
+                                    cache, options.timeout_s, book, on_refused)
 
     build = {"shared": shared, "dist": dist}
     return [build[name]() for name in options.transports]

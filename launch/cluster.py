@@ -63,7 +63,9 @@ class ClusterSpec:
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
     cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
     async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
-    tensor_parallel_size: int = 1  # colocated workers: ranks per worker (engine.tensor_parallel)
+    tensor_parallel_size: int = 1  # ranks per worker (engine.tensor_parallel), every role
+    prefill_tp: int | None = None  # prefill workers' ranks (None: tensor_parallel_size)
+    decode_tp: int | None = None  # decode workers' ranks (None: tensor_parallel_size)
     log_level: str = "info"  # every process's --log-level
     log_format: str = "text"  # every process's --log-format (text | json)
 
@@ -80,13 +82,7 @@ class ClusterSpec:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got "
-                             f"{self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and not self.colocated:
-            raise ValueError("--tensor-parallel-size > 1 is for colocated workers so far (moving "
-                             "KV between tensor-parallel prefill and decode workers is not "
-                             "built yet)")
+        self._check_tensor_parallel()
         check_logging(self.log_level, self.log_format)
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
@@ -102,6 +98,20 @@ class ClusterSpec:
                              f"got {fraction}")
         if self.gpus is not None:
             self.check_gpus(self.gpus)
+
+    def _check_tensor_parallel(self) -> None:
+        for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size),
+                           ("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
+            if size is not None and size < 1:
+                raise ValueError(f"{flag} must be >= 1, got {size}")
+        if self.colocated and (self.prefill_tp or self.decode_tp):
+            raise ValueError("--prefill-tp and --decode-tp are for prefill and decode workers; "
+                             "colocated workers take --tensor-parallel-size")
+
+    def tp_for(self, role: str) -> int:
+        """Ranks per worker of `role` (prefill, decode or colocated)."""
+        size = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return size or self.tensor_parallel_size
 
     @property
     def num_workers(self) -> int:
@@ -255,8 +265,8 @@ class LocalCluster:
             args.append("--cuda-graphs")
         if spec.async_scheduling and role != "prefill":
             args.append("--async-scheduling")
-        if spec.tensor_parallel_size > 1:
-            args += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if spec.tp_for(role) > 1:
+            args += ["--tensor-parallel-size", str(spec.tp_for(role))]
         return [*args, "--kv-transport", spec.kv_transport]
 
     def _spawn(self, name: str, args: list[str]) -> None:

@@ -3,7 +3,8 @@ workers), and whether the router should prefill short prompts on the decode work
 goodput for a workload at an SLO.
 
     python -m router plan --workload FILE --slo FILE --workers N [--rates 0.4,0.8]
-        [--profile FILE] [--requests 400] [--seeds 5] [--max-tokens-cap 64] [--json OUT]
+        [--profile FILE] [--prefill-tp 1] [--decode-tp 1] [--tp-profile N=FILE ...]
+        [--requests 400] [--seeds 5] [--max-tokens-cap 64] [--json OUT]
 
 --workload: JSONL, one request per line: `prompt_token_ids` (or `prompt_tokens`, a count) and
 `max_tokens` (the benchmarks' online_mixed.jsonl as it is). --slo: JSON `{"ttft_s": 8,
@@ -12,6 +13,11 @@ without it the planner measures one first (minutes, with the default model, 1 th
 candidate serves the same Poisson arrivals in the model of planner.simulator; a request counts
 when its TTFT and its mean inter-token gap both meet the SLO, goodput = those per second of the
 run (benchmarks.poisson's definition).
+
+Tensor parallelism per role: --workers then counts devices (cores, GPUs), a prefill worker at
+--prefill-tp p takes p of them and a decode (or colocated) worker at --decode-tp d takes d; each
+size's speed comes from a profile measured at that size (`python -m engine.profile
+--tensor-parallel-size N`; --tp-profile N=FILE, measured now when missing).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,13 +90,25 @@ def arrivals(rows: list[tuple[int, int]], rate: float, n: int, seed: int
     return out
 
 
-def candidates(workers: int) -> list[Topology]:
+def candidates(workers: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[Topology]:
+    """Every split of `workers` devices: colocated workers, and P:D splits (each worker taking
+    its role's tensor-parallel size in devices; devices left over stay idle)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    out = [Topology(colocated=workers)]
-    for prefill in range(1, workers):
+    if prefill_tp < 1 or decode_tp < 1:
+        raise ValueError(f"--prefill-tp and --decode-tp must be >= 1, got {prefill_tp} and "
+                         f"{decode_tp}")
+    if workers < decode_tp:
+        raise ValueError(f"--workers {workers} cannot hold one worker at --decode-tp "
+                         f"{decode_tp}")
+    out = [Topology(colocated=workers // decode_tp, decode_tp=decode_tp)]
+    for prefill in range(1, workers // prefill_tp + 1):
+        decode = (workers - prefill * prefill_tp) // decode_tp
+        if decode < 1:
+            break
         for local in ("auto", "off"):
-            out.append(Topology(prefill=prefill, decode=workers - prefill, local_prefill=local))
+            out.append(Topology(prefill=prefill, decode=decode, local_prefill=local,
+                                prefill_tp=prefill_tp, decode_tp=decode_tp))
     return out
 
 
@@ -108,34 +127,56 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
-def evaluate(topology: Topology, profile: Profile, rows: list[tuple[int, int]], slo: SLO,
-             rate: float, requests: int, seeds: int) -> dict[str, float]:
+def evaluate(topology: Topology, profile: Profile | Mapping[int, Profile],
+             rows: list[tuple[int, int]], slo: SLO, rate: float, requests: int, seeds: int
+             ) -> dict[str, float]:
     """Medians over `seeds` runs (each its own arrivals, the same for every topology)."""
     runs = [score(ClusterSim(topology, profile).run(arrivals(rows, rate, requests, seed)), slo)
             for seed in range(seeds)]
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
-def plan(profile: Profile, rows: list[tuple[int, int]], slo: SLO, workers: int,
-         rates: list[float], requests: int = 400, seeds: int = 5) -> dict[float, list[dict]]:
-    """Per rate: every candidate's figures, best goodput first."""
+def plan(profile: Profile | Mapping[int, Profile], rows: list[tuple[int, int]], slo: SLO,
+         workers: int, rates: list[float], requests: int = 400, seeds: int = 5,
+         prefill_tp: int = 1, decode_tp: int = 1) -> dict[float, list[dict]]:
+    """Per rate: every candidate's figures, best goodput first (`profile`: a worker's speed, or
+    one per tensor-parallel size)."""
     table = {}
     for rate in rates:
         results = [{"topology": t.name, "launch": t.launch_args,
                     **evaluate(t, profile, rows, slo, rate, requests, seeds)}
-                   for t in candidates(workers)]
+                   for t in candidates(workers, prefill_tp, decode_tp)]
         table[rate] = sorted(results, key=lambda r: (-r["goodput"], r["itl_p99"]))
     return table
 
 
-def measure_profile(timeout_s: float = PROFILE_TIMEOUT_S) -> Profile:
-    """Measure one worker (default model, 1 thread) in a child process (torch stays out of the
-    router)."""
+def measure_profile(timeout_s: float = PROFILE_TIMEOUT_S, tensor_parallel_size: int = 1
+                    ) -> Profile:
+    """Measure one worker (default model, 1 thread per rank) in a child process (torch stays
+    out of the router)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile.json"
-        subprocess.run([sys.executable, "-m", "engine.profile", "--out", str(out)], check=True,
+        subprocess.run([sys.executable, "-m", "engine.profile", "--out", str(out),
+                        "--tensor-parallel-size", str(tensor_parallel_size)], check=True,
                        timeout=timeout_s, stdout=subprocess.DEVNULL)
         return Profile.from_json(json.loads(out.read_text()))
+
+
+def load_profiles(args: argparse.Namespace) -> dict[int, Profile]:
+    """A profile for each tensor-parallel size the roles use: --profile (TP 1), --tp-profile
+    N=FILE, or measured now."""
+    files: dict[int, Path] = {1: args.profile} if args.profile else {}
+    for item in args.tp_profile or []:
+        size, sep, path = item.partition("=")
+        if not sep or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--tp-profile takes N=FILE (N >= 1), got {item!r}")
+        files[int(size)] = Path(path)
+    profiles = {}
+    for size in sorted({args.prefill_tp, args.decode_tp}):
+        path = files.get(size)
+        profiles[size] = Profile.from_json(json.loads(path.read_text())) if path \
+            else measure_profile(tensor_parallel_size=size)
+    return profiles
 
 
 def report(table: dict[float, list[dict]], slo: SLO, workers: int) -> list[str]:
@@ -161,9 +202,8 @@ def run_plan(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rates.split(",")]
     if any(r <= 0 for r in rates) or args.requests < 1 or args.seeds < 1:
         raise ValueError("--rates must be > 0, --requests and --seeds >= 1")
-    profile = Profile.from_json(json.loads(args.profile.read_text())) if args.profile \
-        else measure_profile()
-    table = plan(profile, rows, slo, args.workers, rates, args.requests, args.seeds)
+    table = plan(load_profiles(args), rows, slo, args.workers, rates, args.requests, args.seeds,
+                 args.prefill_tp, args.decode_tp)
     print("\n".join(report(table, slo, args.workers)))
     if args.json is not None:
         args.json.write_text(json.dumps({str(rate): results for rate, results in table.items()},

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
@@ -85,6 +86,7 @@ class SimRequest:
 class SimWorker:
     role: str  # prefill, decode or colocated
     chunk: int  # prompt tokens one request computes per step
+    profile: Profile  # its speed, at its tensor-parallel size
     waiting: list[SimRequest] = field(default_factory=list)
     running: list[SimRequest] = field(default_factory=list)
     incoming: int = 0  # placed here to decode, prefilled elsewhere
@@ -102,30 +104,59 @@ class Topology:
     colocated: int = 0
     local_prefill: str = "auto"  # the router's --local-prefill (P:D only)
     local_chunk: int = 32  # a decode worker's --prefill-chunk-size
+    prefill_tp: int = 1  # ranks (devices) per prefill worker
+    decode_tp: int = 1  # ranks per decode worker, and per colocated worker
+
+    def __post_init__(self) -> None:
+        if self.prefill_tp < 1 or self.decode_tp < 1:
+            raise ValueError(f"tensor-parallel sizes must be >= 1, got prefill "
+                             f"{self.prefill_tp}, decode {self.decode_tp}")
+
+    @property
+    def devices(self) -> int:
+        """The cores or GPUs its workers' ranks take."""
+        return self.prefill * self.prefill_tp + (self.decode + self.colocated) * self.decode_tp
 
     @property
     def name(self) -> str:
         if self.colocated:
-            return f"colocated{self.colocated}"
-        return f"{self.prefill}p{self.decode}d" + ("" if self.local_prefill == "auto"
-                                                   else f" local-prefill {self.local_prefill}")
+            return f"colocated{self.colocated}" + self._tp_name(self.decode_tp)
+        return (f"{self.prefill}p{self._tp_name(self.prefill_tp)}"
+                f"{self.decode}d{self._tp_name(self.decode_tp)}"
+                + ("" if self.local_prefill == "auto" else f" local-prefill {self.local_prefill}"))
+
+    @staticmethod
+    def _tp_name(tp: int) -> str:
+        return f"(tp{tp})" if tp > 1 else ""
 
     @property
     def launch_args(self) -> str:
         """`python -m router launch` flags for this topology."""
         if self.colocated:
-            return f"--colocated {self.colocated}"
-        return f"--prefill {self.prefill} --decode {self.decode} " \
+            return f"--colocated {self.colocated}" + (f" -tp {self.decode_tp}"
+                                                       if self.decode_tp > 1 else "")
+        tp = "".join(f" --{role}-tp {size}" for role, size in
+                     (("prefill", self.prefill_tp), ("decode", self.decode_tp)) if size > 1)
+        return f"--prefill {self.prefill} --decode {self.decode}{tp} " \
                f"--local-prefill {self.local_prefill}"
 
 
 class ClusterSim:
-    def __init__(self, topology: Topology, profile: Profile):
-        self.profile = profile
+    def __init__(self, topology: Topology, profiles: Profile | Mapping[int, Profile]):
+        """`profiles`: a worker's speed by tensor-parallel size (a Profile alone: TP 1)."""
+        by_tp = {1: profiles} if isinstance(profiles, Profile) else dict(profiles)
+        for tp in (topology.prefill_tp, topology.decode_tp):
+            if tp not in by_tp:
+                raise ValueError(f"no profile of a worker at tensor-parallel size {tp} "
+                                 f"(profiles for: {sorted(by_tp)})")
+        prefill, decode = by_tp[topology.prefill_tp], by_tp[topology.decode_tp]
         self.site = PrefillSitePolicy(PrefillSiteConfig(mode=topology.local_prefill))
-        self.prefill = [SimWorker("prefill", STEP_TOKENS) for _ in range(topology.prefill)]
-        self.decode = [SimWorker("decode", topology.local_chunk) for _ in range(topology.decode)]
-        self.colocated = [SimWorker("colocated", STEP_TOKENS) for _ in range(topology.colocated)]
+        self.prefill = [SimWorker("prefill", STEP_TOKENS, prefill)
+                        for _ in range(topology.prefill)]
+        self.decode = [SimWorker("decode", topology.local_chunk, decode)
+                       for _ in range(topology.decode)]
+        self.colocated = [SimWorker("colocated", STEP_TOKENS, decode)
+                          for _ in range(topology.colocated)]
         self._events: list[tuple[float, int, object]] = []
         self._seq = itertools.count()
 
@@ -178,11 +209,11 @@ class ClusterSim:
             take = min(request.prompt_tokens - request.computed, worker.chunk, budget)
             if take <= 0:
                 break
-            cost += self.profile.prefill_s(request.computed, request.computed + take)
+            cost += worker.profile.prefill_s(request.computed, request.computed + take)
             chunks.append((request, take))
             budget -= take
         worker.busy = True
-        self._push(now + self.profile.step_s(len(decodes), cost), (worker, decodes, chunks))
+        self._push(now + worker.profile.step_s(len(decodes), cost), (worker, decodes, chunks))
 
     def _end_step(self, now: float, worker: SimWorker, decodes: list[SimRequest],
                   chunks: list[tuple[SimRequest, int]]) -> None:

@@ -13,7 +13,7 @@ from serving.worker_main import WorkerRole
 
 
 def prefill_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
-    connectors = send_connectors(connector_options(options), engine.runner.kv_buffer)
+    connectors = send_connectors(connector_options(options), engine.runner.kv_shards)
     worker = PrefillWorker(engine, options, connectors)
     return WorkerRole(worker, SERVICE_NAMES, options.public_host,
                       lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(

@@ -38,8 +38,8 @@ class WorkerOptions:
     # default keeps its streams' inter-token latency while it prefills locally).
     prefill_chunk_size: int | None = None
     threads: int = 1  # torch threads: workers share the machine's cores
-    # Ranks the model is split over, one process each (engine.tensor_parallel); colocated workers
-    # only so far: moving KV between workers of different TP is not built yet.
+    # Ranks the model is split over, one process each (engine.tensor_parallel); a prefill and a
+    # decode worker may differ in it (the KV transports move each rank's heads: kv_transfer.heads).
     tensor_parallel_size: int = 1
     worker_id: str = ""
     connect_timeout_s: float = 60.0  # waiting for the router at start
@@ -117,10 +117,6 @@ class WorkerOptions:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.role != "colocated":
-            raise ValueError("--tensor-parallel-size > 1 is for colocated workers so far: a "
-                             f"{self.role} worker's KV moves to another worker, and moving it "
-                             "between tensor-parallel ranks is not built yet")
         if self.tensor_parallel_size > 1 and (self.device != "cpu" or self.async_scheduling):
             raise ValueError("--tensor-parallel-size > 1 runs on CPU ranks without "
                              "--async-scheduling so far (its GPU path is unproven)")

@@ -33,6 +33,12 @@ def load_to_proto(load: LoadSnapshot, with_prefix: bool = True) -> pb.WorkerLoad
     return message
 
 
+# The router's answers that another try would get again: a bad token, another model, a KV
+# layout its peers cannot exchange blocks with.
+REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class RouterLink:
     def __init__(self, router_address: str, registration: pb.RegisterRequest,
                  load: Callable[[], LoadSnapshot], router_ca: bytes | None = None):
@@ -55,7 +61,7 @@ class RouterLink:
                 self._register_once()
                 return
             except grpc.RpcError as exc:
-                if exc.code() is grpc.StatusCode.UNAUTHENTICATED:  # retrying cannot help
+                if exc.code() in REFUSALS:  # retrying cannot help
                     raise PermissionError(f"router {self.router_address} refused the "
                                           f"registration: {exc.details()}") from exc
                 if time.monotonic() >= deadline:

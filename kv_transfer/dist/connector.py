@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 import torch
 
-from engine.kv_memory import KVBuffer
+from engine.kv_memory import KVShards
 from kv_transfer.connector import (
     GrpcService,
     KVReceiveConnector,
@@ -56,13 +56,13 @@ def _num_bytes(layers: Sequence[torch.Tensor]) -> int:
 class DistSendConnector(KVSendConnector):
     transport = TRANSPORT
 
-    def __init__(self, worker_id: str, host: str, buffer: KVBuffer, timeout_s: float):
-        self.caches = buffer.layers
+    def __init__(self, worker_id: str, host: str, cache: KVShards, timeout_s: float):
+        self.caches = cache
         self.timeout_s = timeout_s
-        self.sender = KVSender(worker_id, host, buffer.tensor.device, timeout_s)
+        self.sender = KVSender(worker_id, host, cache.primary.device, timeout_s)
         self.control = ReceiveKVClient(timeout_s)
-        # One block of every layer, K and V: what each block sent costs on the wire.
-        self.block_bytes = sum(c[:, 0].numel() * c.element_size() for c in self.caches)
+        # One block of every layer and KV head, K and V: what each block sent costs on the wire.
+        self.block_bytes = cache.block_bytes
 
     def begin(self, transfer: Transfer) -> DistSend:
         addresses = transfer.descriptor.endpoint(TRANSPORT)
@@ -174,13 +174,13 @@ class DistSend(KVSend):
 class DistReceiveConnector(KVReceiveConnector):
     transport = TRANSPORT
 
-    def __init__(self, worker_id: str, host: str, public_host: str, buffer: KVBuffer,
+    def __init__(self, worker_id: str, host: str, public_host: str, cache: KVShards,
                  timeout_s: float, book: ReservationBook, on_refused: OnRefused):
         self.worker_id = worker_id
-        self.caches = buffer.layers
+        self.caches = cache
         self.book = book
         self.on_refused = on_refused
-        self.receiver = KVReceiver(worker_id, host, buffer.tensor.device, timeout_s)
+        self.receiver = KVReceiver(worker_id, host, cache.primary.device, timeout_s)
         self.store_address = f"{public_host}:{self.receiver.port}"
         self.control_address = ""  # the worker's gRPC server, once it listens (`bind`)
         self.closed = False

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from engine.kv_memory import KVShards
 from kv_transfer.dist.packing import pack_blocks, packed_shapes, unpack_blocks
 from kv_transfer.dist.pair import (
     RECEIVER_RANK,
@@ -70,7 +71,7 @@ class KVReceiver:
         self.store.set(_ready_key(key, generation, tag), f"error: {reason}"[:500])
 
     def receive(self, sender_id: str, generation: int, tag: int,
-                kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                kv_caches: KVShards, block_ids: Sequence[int],
                 check: Callable[[Sequence[torch.Tensor]], None]) -> TransferStats:
         """Receive one request's blocks into `block_ids` of `kv_caches` (bounded waits).
 
@@ -82,7 +83,7 @@ class KVReceiver:
         try:
             pair = self.registry.get(self.store, key, generation)
             layers, stats = receive_blocks(pair, tag, packed_shapes(kv_caches, len(block_ids)),
-                                           kv_caches[0].dtype, self.timeout_s)
+                                           kv_caches.primary.dtype, self.timeout_s)
         except (TransferError, RuntimeError) as exc:
             self.registry.tear_down(key)
             raise TransferError(f"receiving KV from {sender_id}: {exc}") from exc
@@ -107,7 +108,7 @@ class KVSender:
         self._tags = itertools.count(1)
         self._lock = threading.Lock()
 
-    def send(self, receiver_id: str, store_address: str, kv_caches: Sequence[torch.Tensor],
+    def send(self, receiver_id: str, store_address: str, kv_caches: KVShards,
              block_ids: Sequence[int], start_receive: Callable[[int, int], object]
              ) -> TransferStats:
         """Send the blocks; `start_receive(generation, tag)` must make the receiver call

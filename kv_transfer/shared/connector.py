@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.kv_memory import KVBuffer
+from engine.kv_memory import KVShards
 from engine.omp_threads import use_one_torch_thread
 from kv_transfer.connector import (
     KVReceiveConnector,
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 class SharedSendConnector(KVSendConnector):
     transport = TRANSPORT
 
-    def __init__(self, worker_id: str, buffer: KVBuffer, timeout_s: float,
+    def __init__(self, worker_id: str, cache: KVShards, timeout_s: float,
                  pause_in_write_s: float = 0.0):
-        self.cache = buffer.tensor
+        self.cache = cache
         self.timeout_s = timeout_s
         self.sender = SharedSender(worker_id, timeout_s, pause_in_write_s)
         # Opening and failing writes wait on the decode worker: never on the caller's thread.
@@ -129,8 +129,8 @@ def _finish_failed(write: SharedWrite) -> None:
 class SharedReceiveConnector(KVReceiveConnector):
     transport = TRANSPORT
 
-    def __init__(self, worker_id: str, buffer: KVBuffer, book: ReservationBook):
-        self.exporter = KVExporter(worker_id, buffer, book)
+    def __init__(self, worker_id: str, cache: KVShards, book: ReservationBook):
+        self.exporter = KVExporter(worker_id, cache, book)
 
     def endpoint(self) -> Mapping[str, str]:
         return {"export": self.exporter.address}

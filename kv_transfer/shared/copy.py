@@ -1,11 +1,16 @@
 """The shared transport's one data operation: copying blocks between two whole caches mapped in
-this process (ours and a peer's), in contiguous runs of block ids."""
+this process (ours and a peer's), in contiguous runs of block ids — and, where the two split the
+KV heads over their tensor-parallel ranks differently, each destination rank's heads from the
+source rank that holds them (kv_transfer.heads)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+from engine.kv_memory import KVShards
+from kv_transfer.heads import head_routes
 
 
 def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -21,16 +26,25 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
     return runs
 
 
-def copy_blocks(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor,
+def copy_blocks(src: KVShards, src_ids: Sequence[int], dst: KVShards,
                 dst_ids: Sequence[int]) -> int:
-    """Copy blocks between whole caches ([layers, 2, blocks, ...]) and wait until the copy is
-    complete; returns the bytes copied."""
+    """Copy blocks between whole caches (every buffer [layers, 2, blocks, block_size, heads, d])
+    and wait until the copy is complete; returns the bytes written."""
+    runs = block_runs(src_ids, dst_ids)
+    routes = head_routes(src.heads, dst.heads)
+    devices = {b.tensor.device for b in (*src.buffers, *dst.buffers)}
+    written = 0
     try:
-        for s, d, n in block_runs(src_ids, dst_ids):
-            dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=True)
+        for route in routes:
+            s_heads = slice(route.src_start, route.src_start + route.count)
+            d_heads = slice(route.dst_start, route.dst_start + route.count)
+            source, target = src.buffers[route.src].tensor, dst.buffers[route.dst].tensor
+            for s, d, n in runs:
+                piece = target[:, :, d:d + n, :, d_heads]
+                piece.copy_(source[:, :, s:s + n, :, s_heads], non_blocking=True)
+                written += piece.numel() * piece.element_size()
     finally:  # also after a failed launch: runs already queued must be done before we report
-        for device in {src.device, dst.device}:
+        for device in devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    per_block = src[:, :, 0].numel() * src.element_size()
-    return per_block * len(src_ids)
+    return written

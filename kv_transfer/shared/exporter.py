@@ -11,7 +11,7 @@ import secrets
 import socket
 import threading
 
-from engine.kv_memory import KVBuffer
+from engine.kv_memory import KVShards
 from engine.omp_threads import use_one_torch_thread
 from kv_transfer.connector import ReservationBook, Write
 from kv_transfer.device import device_identity
@@ -33,14 +33,14 @@ TRANSPORT = "shared"
 class KVExporter:
     """Exports this worker's cache to writers on this host, one thread per mapping."""
 
-    def __init__(self, worker_id: str, buffer: KVBuffer, book: ReservationBook):
-        if buffer.tensor.device.type == "cpu" and buffer.fd is None:
+    def __init__(self, worker_id: str, cache: KVShards, book: ReservationBook):
+        if cache.primary.device.type == "cpu" and any(b.fd is None for b in cache.buffers):
             raise ValueError("a CPU KV cache must be allocated shareable to be exported")
-        self.buffer = buffer
+        self.cache = cache
         self.book = book
         self.name = f"pdserve-kv-{worker_id}-{secrets.token_hex(4)}"
         self.address = f"@{self.name}"  # "@": an abstract socket name, as `ss` shows it
-        self.device = device_identity(buffer.tensor.device)
+        self.device = device_identity(cache.primary.device)
         self._ids = itertools.count(1)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind("\0" + self.name)
@@ -74,8 +74,7 @@ class KVExporter:
                 pid = check_same_user(conn)
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 key = f"{json.loads(recv_frame(conn))['writer']}#{mapping_id}"
-                send_cache(conn, mapping_id, self.buffer.tensor, self.device, self.buffer.fd,
-                           self.buffer.num_bytes)
+                send_cache(conn, mapping_id, self.cache, self.device)
                 conn.settimeout(None)
                 said_bye = self._answer_until_closed(conn, key)
         except (OSError, ValueError, KeyError) as exc:
@@ -117,7 +116,7 @@ class KVExporter:
         on a GPU wait until it has finished exiting — and if that cannot be seen (a pid hidden by
         another pid namespace, or still exiting after the timeout), keep its blocks reserved:
         leaking them is safe, reusing them is not."""
-        if self.buffer.tensor.device.type != "cuda" or wait_until_dead(pid,
+        if self.cache.primary.device.type != "cuda" or wait_until_dead(pid,
                                                                        WRITER_EXIT_TIMEOUT_S):
             return True
         log.error("mapping %s closed without a goodbye and writer pid %d was not seen to exit "

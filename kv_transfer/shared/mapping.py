@@ -17,7 +17,10 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_memory import KVBuffer, KVShards
+
 HANDSHAKE_TIMEOUT_S = 5.0
+MAX_RANKS = 64  # the most rank buffers (file descriptors) one export hands over
 _LENGTH = struct.Struct("!I")
 
 
@@ -27,7 +30,7 @@ class PeerMapping:
 
     address: str
     mapping_id: int
-    cache: torch.Tensor  # the peer's whole cache, [layers, 2, blocks, block_size, n_kv, d]
+    cache: KVShards  # the peer's whole cache: each rank's [layers, 2, blocks, block_size, h, d]
     conn: socket.socket
     keep: object = None  # what keeps the memory mapped (the mmap of a CPU cache)
     lock: threading.Lock = field(default_factory=threading.Lock)  # one write at a time
@@ -51,11 +54,11 @@ class PeerMapping:
         return not any(events & gone for _, events in poller.poll(0))
 
 
-def map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
-             ) -> PeerMapping:
+def map_peer(worker_id: str, address: str, like: KVShards, timeout_s: float) -> PeerMapping:
     """Connect to a decode worker's export and map its cache (checked against ours: same layer
-    count, block size, heads, head size and dtype). ValueError (or ConnectionRefusedError: no
-    such export in this network namespace) when it can never work; other OSErrors may pass."""
+    count, block size, KV heads, head size and dtype; each side may split the heads over its
+    tensor-parallel ranks its own way). ValueError (or ConnectionRefusedError: no such export in
+    this network namespace) when it can never work; other OSErrors may pass."""
     if not address.startswith("@"):
         raise ValueError(f"not an abstract Unix socket name: {address!r}")
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -66,10 +69,9 @@ def map_peer(worker_id: str, address: str, like: torch.Tensor, timeout_s: float
         send_frame(conn, json.dumps({"writer": worker_id}).encode())
         header, fds = _recv_header(conn)
         cache, keep = _open_cache(header, fds, conn)
-        if cache.dtype != like.dtype or cache.shape[:2] != like.shape[:2] \
-                or cache.shape[3:] != like.shape[3:]:
-            raise ValueError(f"the peer's cache is {tuple(cache.shape)} {cache.dtype}, ours "
-                             f"{tuple(like.shape)} {like.dtype}: the layouts differ")
+        if cache.layout() != like.layout():
+            raise ValueError(f"the peer's cache is {cache.layout()}, ours {like.layout()}: "
+                             "the layouts differ")
         conn.settimeout(None)
     except BaseException:
         _say_bye_and_close(conn)  # nothing was written through it
@@ -85,26 +87,38 @@ def _say_bye_and_close(conn: socket.socket) -> None:
     conn.close()
 
 
-def _open_cache(header: dict, fds: list[int], conn: socket.socket
-                ) -> tuple[torch.Tensor, object]:
+def _open_cache(header: dict, fds: list[int], conn: socket.socket) -> tuple[KVShards, object]:
+    """The peer's cache, one buffer per rank (and what keeps CPU buffers mapped)."""
     dtype = getattr(torch, header["dtype"])
-    shape = tuple(header["shape"])
+    shards = header["shards"]
+    heads = tuple(range(*shard["heads"]) for shard in shards)
     if header["kind"] == "cpu-memfd":
-        if len(fds) != 1:
-            raise ValueError(f"expected the cache's file descriptor, got {len(fds)}")
+        if len(fds) != len(shards):
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"expected {len(shards)} file descriptors, got {len(fds)}")
+        buffers = []
         try:
-            # MAP_POPULATE: map every page now, not one fault at a time inside the first writes.
-            mapped = mmap.mmap(fds[0], int(header["num_bytes"]),
-                               flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            for fd, shard in zip(fds, shards):
+                # MAP_POPULATE: every page now, not one fault at a time inside the first writes.
+                mapped = mmap.mmap(fd, int(shard["num_bytes"]),
+                                   flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+                tensor = torch.frombuffer(mapped, dtype=dtype).view(tuple(shard["shape"]))
+                buffers.append(KVBuffer(tensor, list(tensor.unbind(0)), None, mapped))
         finally:
-            os.close(fds[0])  # the mapping keeps the memory
-        return torch.frombuffer(mapped, dtype=dtype).view(shape), mapped
+            for fd in fds:
+                os.close(fd)  # the mappings keep the memory
+        return KVShards(tuple(buffers), heads, int(header["num_kv_heads"])), buffers
     if header["kind"] == "cuda-ipc":
-        rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-uid peer
-        # rebuild_cuda_tensor's 7th argument is the exporter's device index; this process may
-        # number its GPUs differently (CUDA_VISIBLE_DEVICES): open it on the one with that UUID.
-        args = (*args[:6], _local_gpu_index(header["device"]), *args[7:])
-        return rebuild(*args), None
+        buffers = []
+        for _ in shards:
+            rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-uid peer
+            # rebuild_cuda_tensor's 7th argument is the exporter's device index; this process
+            # may number its GPUs differently (CUDA_VISIBLE_DEVICES): open the one with its UUID.
+            args = (*args[:6], _local_gpu_index(header["device"]), *args[7:])
+            tensor = rebuild(*args)
+            buffers.append(KVBuffer(tensor, list(tensor.unbind(0))))
+        return KVShards(tuple(buffers), heads, int(header["num_kv_heads"])), None
     raise ValueError(f"unknown export kind {header['kind']!r}")
 
 
@@ -162,28 +176,33 @@ def recv_frame(conn: socket.socket) -> bytes:
 
 def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
     """The header frame, with any file descriptors sent alongside its length."""
-    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, 1, socket.MSG_CMSG_CLOEXEC)
+    prefix, fds, _flags, _addr = socket.recv_fds(conn, _LENGTH.size, MAX_RANKS,
+                                                 socket.MSG_CMSG_CLOEXEC)
     if len(prefix) < _LENGTH.size:
         prefix += _recv_exact(conn, _LENGTH.size - len(prefix))
     (length,) = _LENGTH.unpack(prefix)
     return json.loads(_recv_exact(conn, length)), list(fds)
 
 
-def send_cache(conn: socket.socket, mapping_id: int, tensor: torch.Tensor, device: str,
-               fd: int | None, num_bytes: int) -> None:
-    """The exporter's answer to a writer: the header, then the cache (fd or CUDA IPC handle)."""
-    header = {"mapping_id": mapping_id, "shape": list(tensor.shape),
-              "dtype": str(tensor.dtype).removeprefix("torch."), "device": device}
-    if tensor.device.type == "cuda":
+def send_cache(conn: socket.socket, mapping_id: int, cache: KVShards, device: str) -> None:
+    """The exporter's answer to a writer: the header, then the cache — every rank's buffer (its
+    fd, or its CUDA IPC handle) and the KV heads it holds."""
+    shards = [{"shape": list(b.tensor.shape), "heads": [h.start, h.stop],
+               "num_bytes": b.num_bytes} for b, h in zip(cache.buffers, cache.heads)]
+    header = {"mapping_id": mapping_id, "dtype": str(cache.primary.dtype).removeprefix("torch."),
+              "device": device, "num_kv_heads": cache.num_kv_heads, "shards": shards}
+    if cache.primary.device.type == "cuda":
         from torch.multiprocessing.reductions import reduce_tensor
 
         header["kind"] = "cuda-ipc"
         send_frame(conn, json.dumps(header).encode())
-        send_frame(conn, pickle.dumps(reduce_tensor(tensor)))
+        for buffer in cache.buffers:
+            send_frame(conn, pickle.dumps(reduce_tensor(buffer.tensor)))
         return
-    if fd is None:
-        raise ValueError("a CPU cache must live in a memfd to be exported")
-    header["kind"], header["num_bytes"] = "cpu-memfd", num_bytes
+    fds = [b.fd for b in cache.buffers]
+    if any(fd is None for fd in fds):
+        raise ValueError("a CPU cache must live in memfds to be exported")
+    header["kind"] = "cpu-memfd"
     body = json.dumps(header).encode()
-    socket.send_fds(conn, [_LENGTH.pack(len(body))], [fd])
+    socket.send_fds(conn, [_LENGTH.pack(len(body))], fds)
     conn.sendall(body)

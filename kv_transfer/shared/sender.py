@@ -15,8 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-import torch
-
+from engine.kv_memory import KVShards
 from kv_transfer.errors import TransferError, TransferStats
 from kv_transfer.shared.copy import copy_blocks
 from kv_transfer.shared.mapping import PeerMapping, map_peer, send_frame
@@ -37,7 +36,7 @@ class SharedWrite:
         self.copy_s = 0.0  # time spent copying, whenever it happened
         self.finished = False
 
-    def copy(self, src: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int],
+    def copy(self, src: KVShards, src_ids: Sequence[int], dst_ids: Sequence[int],
              wait: bool = True) -> bool:
         """Copy `src_ids` of our cache into `dst_ids` of the receiver's; complete on return
         (TransferError: the write must then be finished as failed). With `wait` False, copy only
@@ -84,20 +83,20 @@ class SharedSender:
         self._mappings: dict[str, PeerMapping] = {}
         self._lock = threading.Lock()
 
-    def begin(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
+    def begin(self, receiver_id: str, address: str, request_id: str, src: KVShards,
               num_blocks: int, secret: str = "") -> SharedWrite:
         """Ask the receiver to admit a write of `num_blocks` into the request's reservation,
         presenting its transfer `secret` (TransferError when refused or broken; `permanent`
         when its cache cannot be mapped)."""
         mapping = self._mapping(receiver_id, address, src)
-        dtype = str(src.dtype).removeprefix("torch.")
+        dtype = str(src.primary.dtype).removeprefix("torch.")
         with mapping.lock:
             self.call(mapping, receiver_id, {"op": "begin", "request_id": request_id,
                                              "num_blocks": num_blocks, "dtype": dtype,
                                              "secret": secret})
         return SharedWrite(self, mapping, receiver_id, request_id)
 
-    def complete(self, write: SharedWrite, src: torch.Tensor, src_ids: Sequence[int],
+    def complete(self, write: SharedWrite, src: KVShards, src_ids: Sequence[int],
                  dst_ids: Sequence[int]) -> TransferStats:
         """Copy the write's last blocks and finish it (failed, if the copy failed)."""
         if self.pause_in_write_s:
@@ -113,7 +112,7 @@ class SharedSender:
                                 f"during the write")
         return TransferStats(write.num_bytes, write.copy_s, "shared")
 
-    def send(self, receiver_id: str, address: str, request_id: str, src: torch.Tensor,
+    def send(self, receiver_id: str, address: str, request_id: str, src: KVShards,
              src_ids: Sequence[int], dst_ids: Sequence[int], secret: str = "") -> TransferStats:
         """Copy `src_ids` of our cache into `dst_ids` of the receiver's, in one write."""
         write = self.begin(receiver_id, address, request_id, src, len(dst_ids), secret)
@@ -131,7 +130,7 @@ class SharedSender:
             raise TransferError(f"{receiver_id} refused {message['op']}: {reply['error']}")
         return reply
 
-    def _mapping(self, receiver_id: str, address: str, like: torch.Tensor) -> PeerMapping:
+    def _mapping(self, receiver_id: str, address: str, like: KVShards) -> PeerMapping:
         self._prune()
         with self._lock:
             mapping = self._mappings.get(address)

@@ -52,11 +52,18 @@ class Worker:
     kv_transport: str = "auto"
     kv_receiver_id: str = ""  # decode: names its KV receivers, new in every process
     tensor_parallel_size: int = 1  # ranks its model is split over
+    # What a peer's KV cache must match (layers, block size, KV heads, head size, dtype), as the
+    # worker reports it; "" when it does not say.
+    kv_layout: str = ""
     # The keys of the KV blocks its prefix cache holds, as last reported (cache-aware placement).
     prefix_hashes: frozenset[int] = frozenset()
 
     def kv_place(self) -> KVPlace:
         return KVPlace(self.worker_id, self.host_id, self.kv_device, self.kv_transport)
+
+
+class KVLayoutMismatch(ValueError):
+    """A prefill or decode worker whose KV cache its peers' cannot exchange blocks with."""
 
 
 class WorkerRegistry:
@@ -70,9 +77,25 @@ class WorkerRegistry:
         self._lock = threading.Lock()
 
     def register(self, worker: Worker) -> None:
+        """Add (or renew) a worker; KVLayoutMismatch when it is a prefill or decode worker whose
+        KV cache could not move to or from the ones registered already."""
         with self._lock:
+            self._check_layout(worker)
             worker.last_heartbeat = self._clock()
             self._workers[worker.worker_id] = worker
+
+    def _check_layout(self, worker: Worker) -> None:
+        if worker.role is Role.COLOCATED or not worker.kv_layout:
+            return  # a colocated worker's KV never moves
+        for other in self._workers.values():
+            if other.worker_id != worker.worker_id and other.role is not Role.COLOCATED \
+                    and other.kv_layout and other.kv_layout != worker.kv_layout:
+                raise KVLayoutMismatch(
+                    f"{worker.role.value} worker {worker.worker_id}'s KV cache is "
+                    f"[{worker.kv_layout}] but {other.role.value} worker {other.worker_id}'s is "
+                    f"[{other.kv_layout}]: KV blocks cannot move between them (tensor-parallel "
+                    "sizes may differ; layers, block size, KV heads, head size and dtype must "
+                    "not)")
 
     def heartbeat(self, worker_id: str, load: WorkerLoad, draining: bool = False,
                   prefix_hashes: frozenset[int] | None = None) -> bool:

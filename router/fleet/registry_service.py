@@ -8,7 +8,7 @@ import grpc
 from kv_transfer.selection import MODES
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
+from router.fleet.registry import KVLayoutMismatch, Role, Worker, WorkerLoad, WorkerRegistry
 
 ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
                    pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
@@ -36,16 +36,10 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
         if request.kv_transport not in ("", *MODES):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
                           f"{', '.join(MODES)}, got {request.kv_transport!r}")
-        self.registry.register(Worker(
-            worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
-            address=request.address, block_size=request.block_size,
-            max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
-            load=_load(request.load), metrics_address=request.metrics_address,
-            host_id=request.host_id, kv_device=request.kv_device or "cpu",
-            kv_transport=request.kv_transport or "auto",
-            kv_receiver_id=request.kv_receiver_id,
-            tensor_parallel_size=max(1, request.tensor_parallel_size),
-            prefix_hashes=_prefix(request.load) or frozenset()))
+        try:
+            self.registry.register(_worker(request))
+        except KVLayoutMismatch as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
@@ -53,6 +47,20 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
         return pb.HeartbeatResponse(known=self.registry.heartbeat(
             request.worker_id, _load(request.load), draining=request.draining,
             prefix_hashes=_prefix(request.load)))
+
+
+def _worker(request: pb.RegisterRequest) -> Worker:
+    return Worker(
+        worker_id=request.worker_id, role=ROLE_FROM_PROTO[request.role],
+        address=request.address, block_size=request.block_size,
+        max_model_len=request.max_model_len, transfer_host=request.kv_transfer_host,
+        load=_load(request.load), metrics_address=request.metrics_address,
+        host_id=request.host_id, kv_device=request.kv_device or "cpu",
+        kv_transport=request.kv_transport or "auto",
+        kv_receiver_id=request.kv_receiver_id,
+        tensor_parallel_size=max(1, request.tensor_parallel_size),
+        prefix_hashes=_prefix(request.load) or frozenset(),
+        kv_layout=request.kv_layout)
 
 
 def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:

@@ -251,7 +251,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 total_blocks=w.load.total_blocks, seconds_since_heartbeat=age,
                 draining=w.draining, metrics_address=w.metrics_address, host_id=w.host_id,
                 kv_device=w.kv_device, kv_transport=w.kv_transport,
-                tensor_parallel_size=w.tensor_parallel_size))
+                tensor_parallel_size=w.tensor_parallel_size, kv_layout=w.kv_layout))
         return pb.ClusterStatus(model=self.frontend.model_name, workers=workers,
                                 queued_requests=self.admission.queued,
                                 running_requests=self.admission.running,

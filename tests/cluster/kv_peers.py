@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_memory import KVBuffer, KVShards
 from kv_transfer.dist.endpoints import KVReceiver, KVSender
 from kv_transfer.dist.integrity import IntegrityError, PieceId, piece_mac, verify_piece
 from kv_transfer.dist.packing import pack_blocks, packed_shapes, unpack_blocks
@@ -21,12 +22,13 @@ SRC_BLOCKS, DST_BLOCKS = [3, 7, 1, 12], [10, 2, 5, 0]
 TIMEOUT_S = 2.0
 
 
-def make_caches(seed: int | None) -> list[torch.Tensor]:
-    shape = (2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+def make_caches(seed: int | None) -> KVShards:
+    shape = (LAYERS, 2, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     if seed is None:
-        return [torch.zeros(shape) for _ in range(LAYERS)]
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g) for _ in range(LAYERS)]
+        tensor = torch.zeros(shape)
+    else:
+        tensor = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return KVShards.whole(KVBuffer(tensor, list(tensor.unbind(0))))
 
 
 def expected_checksum() -> float:
@@ -100,7 +102,7 @@ def checked_receiver(queue, control, steps: int) -> None:
             outcome = "ok"
         except IntegrityError:
             outcome = "refused"
-        whole = float(sum(c.double().abs().sum() for c in caches))
+        whole = float(caches.primary.double().abs().sum())
         landed = float(sum(t.double().sum() for t in pack_blocks(caches, DST_BLOCKS)))
         queue.put((outcome, whole, landed))
 

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from engine.kv_memory import allocate_kv_buffer
+from engine.kv_memory import KVBuffer, KVShards, allocate_kv_buffer
 
 SHAPE = (3, 2, 16, 4, 2, 8)  # layers, K/V, blocks, block size, KV heads, head dim
 SRC_BLOCKS, DST_BLOCKS = [3, 4, 5, 9, 1], [10, 11, 12, 2, 0]  # runs: 3 of them
@@ -16,6 +16,11 @@ SECRET = "the-reservations-transfer-secret"  # what the router gave the reservat
 
 def source_cache() -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(1))
+
+
+def as_shards(tensor: torch.Tensor) -> KVShards:
+    """A whole cache in one buffer (an engine of one rank)."""
+    return KVShards.whole(KVBuffer(tensor, list(tensor.unbind(0))))
 
 
 def expected_blocks() -> torch.Tensor:
@@ -54,7 +59,7 @@ def exporter(queue, commands) -> None:
     from kv_transfer.shared.exporter import KVExporter
 
     buffer = allocate_kv_buffer(SHAPE, torch.float32, torch.device("cpu"), shareable=True)
-    exp = KVExporter("decode-t", buffer, Recorder(queue))
+    exp = KVExporter("decode-t", KVShards.whole(buffer), Recorder(queue))
     queue.put(("address", exp.address))
     while True:
         command = commands.get(timeout=60)
@@ -66,7 +71,7 @@ def exporter(queue, commands) -> None:
                        bool((buffer.tensor[:, :, untouched] == 0).all())))
 
 
-def interleaved_writes(sender, address: str, src: torch.Tensor) -> list:  # noqa: ANN001
+def interleaved_writes(sender, address: str, src: KVShards) -> list:  # noqa: ANN001
     """Two requests' writes open at once through one mapping, each copied in pieces: "a" gets
     the first three blocks (in two pieces), "b" the last two; "b" finishes first."""
     a = sender.begin("decode-t", address, "a", src, 3, SECRET)
@@ -84,7 +89,7 @@ def writer(address: str, queue, plan: list[str]) -> None:
     from kv_transfer.errors import TransferError
     from kv_transfer.shared.sender import SharedSender
 
-    src = source_cache()
+    src = as_shards(source_cache())
     sender = SharedSender("prefill-t", timeout_s=5.0,
                           pause_in_write_s=600.0 if "hang" in plan else 0.0)
     for step in plan:

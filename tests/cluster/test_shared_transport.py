@@ -35,7 +35,8 @@ def test_block_runs_and_copy_between_caches():
         block_runs([1], [1, 2])
     src = shared_peers.source_cache()
     dst = torch.zeros_like(src)
-    n = copy_blocks(src, shared_peers.SRC_BLOCKS, dst, shared_peers.DST_BLOCKS)
+    n = copy_blocks(shared_peers.as_shards(src), shared_peers.SRC_BLOCKS,
+                    shared_peers.as_shards(dst), shared_peers.DST_BLOCKS)
     assert torch.equal(dst[:, :, shared_peers.DST_BLOCKS], shared_peers.expected_blocks())
     assert n == 5 * src[:, :, 0].numel() * 4
 
@@ -166,8 +167,8 @@ def test_a_silent_export_times_out_as_a_transient_failure():
     try:
         sender = SharedSender("prefill-t", timeout_s=0.5)
         with pytest.raises(TransferError) as failed:
-            sender.send("decode-s", "@pdserve-kv-silent-test", "r1", shared_peers.source_cache(),
-                        [0], [0])
+            sender.send("decode-s", "@pdserve-kv-silent-test", "r1",
+                        shared_peers.as_shards(shared_peers.source_cache()), [0], [0])
         assert not failed.value.permanent and "cannot map" in str(failed.value)
     finally:
         silent.close()

@@ -123,24 +123,32 @@ def test_a_dead_rank_fails_the_engine_at_once(tiny_llama_dir, prompts):
 
 def test_what_tensor_parallelism_does_not_support_yet_is_refused():
     for bad in (dict(tensor_parallel_size=0), dict(tensor_parallel_size=2, device="cuda"),
-                dict(tensor_parallel_size=2, async_scheduling=True),
-                dict(tensor_parallel_size=2, cache=CacheConfig(shareable=True))):
+                dict(tensor_parallel_size=2, async_scheduling=True)):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             EngineConfig(**bad)
 
 
-def test_workers_and_launch_take_tensor_parallel_only_where_it_is_built():
-    from launch.cluster import ClusterSpec
+def test_workers_and_launch_take_tensor_parallel_per_role():
+    from cli.cluster import _parser, launch_spec
+    from launch.cluster import ClusterSpec, LocalCluster
     from serving.options import WorkerOptions, parse_worker_args
 
     options = parse_worker_args("decode", ["--router", "h:1", "--colocated", "-tp", "2"])
     assert options.role == "colocated" and options.tensor_parallel_size == 2
     for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match="is for colocated workers so far"):
-            WorkerOptions(role=role, router="h:1", tensor_parallel_size=2)
+        assert WorkerOptions(role=role, router="h:1", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="CPU ranks without --async-scheduling"):
         WorkerOptions(role="colocated", router="h:1", tensor_parallel_size=2,
                       async_scheduling=True)
     assert ClusterSpec(prefill=0, decode=0, colocated=1, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="is for colocated workers so far"):
-        ClusterSpec(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--prefill-tp and --decode-tp are for prefill"):
+        ClusterSpec(prefill=0, decode=0, colocated=1, decode_tp=2)
+    with pytest.raises(ValueError, match="--decode-tp must be >= 1, got 0"):
+        ClusterSpec(decode_tp=0)
+    spec = launch_spec(_parser().parse_args(["launch", "-tp", "2", "--decode-tp", "1"]))
+    assert [spec.tp_for(role) for role in ("prefill", "decode")] == [2, 1]
+    worker_args = {role: LocalCluster(spec).worker_command(role)[1]
+                   for role in ("prefill", "decode")}
+    assert "--tensor-parallel-size" not in worker_args["decode"]
+    prefill = worker_args["prefill"]
+    assert prefill[prefill.index("--tensor-parallel-size") + 1] == "2"

@@ -113,3 +113,34 @@ def test_router_plan_cli_reads_its_files_and_refuses_bad_ones(tmp_path, capsys):
         router_main([*args[:5], "--workers", "0", *args[7:]])
     assert refused.value.code == 2
     assert "--workers must be >= 1" in capsys.readouterr().err
+
+
+def test_tensor_parallel_roles_take_their_devices_and_their_own_speed(tmp_path, capsys):
+    assert [(t.name, t.devices) for t in candidates(5, prefill_tp=2, decode_tp=1)] == [
+        ("colocated5", 5), ("1p(tp2)3d", 5), ("1p(tp2)3d local-prefill off", 5),
+        ("2p(tp2)1d", 5), ("2p(tp2)1d local-prefill off", 5)]
+    assert candidates(4, 1, 2)[0].launch_args == "--colocated 2 -tp 2"
+    assert candidates(4, 2, 2)[1].launch_args == ("--prefill 1 --decode 1 --prefill-tp 2 "
+                                                  "--decode-tp 2 --local-prefill auto")
+    with pytest.raises(ValueError, match="cannot hold one worker at --decode-tp 4"):
+        candidates(3, 1, 4)
+    # A faster TP-2 prefill worker gives the same prompt its first token sooner.
+    fast = Profile(0.1, 0.0005, 0.0, 0.05, 0.01)
+    topology = Topology(prefill=1, decode=1, local_prefill="off", prefill_tp=2)
+    (at_tp2,) = ClusterSim(topology, {1: PROFILE, 2: fast}).run([(0.0, 600, 3)])
+    (at_tp1,) = ClusterSim(Topology(prefill=1, decode=1, local_prefill="off"),
+                           PROFILE).run([(0.0, 600, 3)])
+    assert at_tp2.first_token < at_tp1.first_token
+    with pytest.raises(ValueError, match="no profile of a worker at tensor-parallel size 2"):
+        ClusterSim(topology, PROFILE)
+    (tmp_path / "p1.json").write_text(json.dumps(PROFILE_JSON))
+    (tmp_path / "slo.json").write_text(json.dumps({"ttft_s": 8, "tpot_s": 0.2}))
+    (tmp_path / "w.jsonl").write_text('{"prompt_tokens": 300, "max_tokens": 16}\n')
+    args = ["plan", "--workload", str(tmp_path / "w.jsonl"), "--slo", str(tmp_path / "slo.json"),
+            "--workers", "3", "--prefill-tp", "2", "--tp-profile", f"2={tmp_path / 'p1.json'}",
+            "--profile", str(tmp_path / "p1.json"), "--requests", "20", "--seeds", "1"]
+    assert router_main(args) == 0
+    assert "1p(tp2)1d" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        router_main([*args[:9], "--tp-profile", "two=x.json", *args[11:]])
+    assert "--tp-profile takes N=FILE" in capsys.readouterr().err

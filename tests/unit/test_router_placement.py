@@ -163,3 +163,27 @@ def test_site_inputs_report_the_best_pool_worker_and_the_decode_side():
             inputs.pool_tokens) == (320, 64, 30, 1020)
     assert policy.site_inputs(320, registry.get("d0"), frozenset({"p0", "p1"}),
                               keys).pool_tokens is None
+
+
+def test_a_worker_whose_kv_layout_its_peers_cannot_exchange_is_refused_at_registration():
+    from dataclasses import replace
+
+    import pytest
+
+    from router.fleet.registry import KVLayoutMismatch
+
+    fp32 = "layers=2 block_size=16 kv_heads=4 head_dim=8 dtype=float32"
+    registry = WorkerRegistry()
+    registry.register(replace(worker("d0", Role.DECODE), kv_layout=fp32, tensor_parallel_size=2))
+    registry.register(replace(worker("p0", Role.PREFILL), kv_layout=fp32))  # TP may differ
+    with pytest.raises(KVLayoutMismatch, match=r"prefill worker p1's KV cache is \[.*bfloat16\] "
+                                                r"but decode worker d0's is"):
+        registry.register(replace(worker("p1", Role.PREFILL),
+                                  kv_layout=fp32.replace("float32", "bfloat16")))
+    with pytest.raises(KVLayoutMismatch, match="block_size=32"):
+        registry.register(replace(worker("d1", Role.DECODE),
+                                  kv_layout=fp32.replace("16", "32")))
+    # a colocated worker's KV never moves; a worker re-registering is not its own peer
+    registry.register(replace(worker("c0", Role.COLOCATED), kv_layout="layers=9"))
+    registry.register(replace(worker("d0", Role.DECODE), kv_layout=fp32))
+    assert sorted(w.worker_id for w in registry.snapshot()) == ["c0", "d0", "p0"]
