@@ -59,7 +59,8 @@ class DecodeWorker:
         # Transfers begin and end on the connectors' threads; freeing blocks is the loop's job.
         self.table = ReservationTable(
             release=lambda request: self.loop.post(lambda e: e.release(request)))
-        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
+        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load,
+                                     options.tensor_parallel_size)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         self.loop = EngineLoop(engine, DecodePolicy(self.table), observer=self.metrics)
         self.arrivals = KVArrivals(self.table, engine, self.metrics)

@@ -83,10 +83,74 @@ class RouterActor:
         return drained
 
 
+def _exit_for_restart(reason: str) -> None:
+    logging.getLogger(__name__).error("the engine cannot run any more (%s): exiting so that "
+                                      "Ray restarts this worker", reason)
+    os._exit(1)
+
+
+class RankActor:
+    """Rank 1.. of a tensor-parallel worker, in a bundle of its worker's placement group (on
+    rank 0's node): it joins rank 0 over rank 0's socket and runs every step rank 0 sends. It
+    ends with its rank — when rank 0 says stop or is gone — and is never restarted: a lost rank
+    takes its worker down as a unit (Ray restarts the worker actor, which starts new ranks)."""
+
+    def __init__(self, spec: Any, rank: int, address: str, authkey: bytes):
+        from engine.tp_ranks import rank_main
+
+        def run() -> None:
+            rank_main(spec, rank, address, authkey)
+            os._exit(0)
+
+        threading.Thread(target=run, name=f"tp-rank-{rank}", daemon=True).start()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayRank:
+    """Rank 0's handle on one RankActor (engine.tp_ranks.RankProcess)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def alive(self) -> bool:
+        return True  # a rank that dies closes its connection to rank 0: rank 0 sees that
+
+    def describe(self) -> str:
+        return "a Ray actor"
+
+    def stop(self, timeout_s: float) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+
+class RayRankLauncher:
+    """Starts a worker's ranks 1.. as actors in its placement group's bundles 1.. (rank 0, the
+    worker actor, holds bundle 0; STRICT_PACK keeps them on its node). The ranks are owned by the
+    worker actor, so they go when it goes."""
+
+    def __init__(self, group_name: str, num_cpus: int):
+        self.group_name, self.num_cpus = group_name, num_cpus
+        self.started: list[RayRank] = []
+
+    def start(self, spec: Any, rank: int, address: str, authkey: bytes) -> RayRank:
+        from ray.util.placement_group import get_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group = get_placement_group(self.group_name)
+        actor = ray.remote(RankActor).options(
+            max_restarts=0, num_cpus=self.num_cpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank),
+        ).remote(spec, rank, address, authkey)
+        self.started.append(RayRank(actor))
+        return self.started[-1]
+
+
 class WorkerActor:
     def __init__(self, role: str, worker_id: str, router_address: str, host: str,
                  engine: dict[str, Any], grace_s: float, connect_timeout_s: float,
-                 credentials: Credentials = NO_CREDENTIALS):
+                 credentials: Credentials = NO_CREDENTIALS, rank_group: str | None = None):
         from decode_worker.role import decode_role
         from prefill_worker.role import prefill_role
         from serving.options import WorkerOptions
@@ -99,16 +163,26 @@ class WorkerActor:
                                 worker_id=worker_id, grace_s=grace_s,
                                 connect_timeout_s=connect_timeout_s,
                                 **_worker_security(credentials), **engine)
-        llm_engine = build_engine(options)
-        make_role = prefill_role if role == "prefill" else decode_role
-        self.worker = WorkerProcess(options, make_role(llm_engine, options),
-                                    llm_engine.model_path.name)
+        launcher = RayRankLauncher(rank_group, options.threads) if rank_group else None
+        llm_engine = build_engine(options, rank_launcher=launcher)
+        worker_role = (prefill_role if role == "prefill" else decode_role)(llm_engine, options)
+        # An engine that cannot run any more (a tensor-parallel rank died) ends this actor's
+        # process: Ray restarts it with a whole engine, and the router moves its requests.
+        worker_role.loop.on_fatal = _exit_for_restart
+        self.worker = WorkerProcess(options, worker_role, llm_engine.model_path.name)
+        self._ranks = [] if launcher is None else list(launcher.started)
         self.role, self.worker_id = role, worker_id
         self._stopped = threading.Event()
 
     def info(self) -> dict[str, Any]:
+        """`rank_pids`: the processes of its tensor-parallel ranks 1.. (rank actors)."""
+        try:
+            pids = ray.get([rank.actor.pid.remote() for rank in self._ranks], timeout=10)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pids = []  # a rank is gone: this actor is about to end too
         return {"role": self.role, "id": self.worker_id, "address": self.worker.address,
-                "metrics_address": self.worker.metrics_address, **_placement()}
+                "metrics_address": self.worker.metrics_address, "rank_pids": pids,
+                **_placement()}
 
     def stop(self) -> bool:
         """Drain (accepted requests finish within the grace period), then stop serving."""

@@ -30,8 +30,9 @@ Schema (every key optional except where noted; unknown keys are errors):
       max_queued: 1024
       max_restarts: -1         # -1: restart forever
       num_cpus: 1
-    prefill: {replicas: 1}
-    decode: {replicas: 1}
+    prefill: {replicas: 1, tensor_parallel_size: 1}
+    decode: {replicas: 1, tensor_parallel_size: 1}   # a worker of N ranks is a placement group
+                               # of N bundles (STRICT_PACK: one node), its ranks 1.. as actors
     workers:
       device: cpu              # cpu: each worker asks for num_cpus; cuda: num_gpus=gpus_per_worker
       num_cpus: 1              # Ray CPUs per worker (also its torch threads on CPU)
@@ -130,9 +131,13 @@ class RouterSection:
             raise ConfigError(f"router.num_cpus must be >= 0, got {self.num_cpus}")
 
 
+MAX_TP = 64
+
+
 @dataclass(frozen=True)
 class ReplicasSection:
     replicas: int = 1
+    tensor_parallel_size: int = 1  # ranks per worker of this role, one bundle and process each
 
 
 @dataclass(frozen=True)
@@ -254,17 +259,32 @@ class DeployConfig:
             if not 1 <= replicas <= MAX_REPLICAS:
                 raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
                                   f"{replicas}")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        for role in ("prefill", "decode"):
+            size = self.tp_for(role)
+            if not 1 <= size <= MAX_TP:
+                raise ConfigError(f"{role}.tensor_parallel_size must be in [1, {MAX_TP}], got "
+                                  f"{size}")
+            if size > 1 and self.workers.device != "cpu":
+                raise ConfigError(f"{role}.tensor_parallel_size > 1 runs on CPU ranks only so "
+                                  "far (its CUDA path is unproven): set workers.device: cpu")
+
+    def tp_for(self, role: str) -> int:
+        """Ranks per worker of `role`."""
+        return getattr(self, role).tensor_parallel_size
 
     @property
     def credentials(self) -> Credentials:
         return Credentials(self.cluster_token_file, self.tls, self.cluster_tls)
 
-    def worker_engine(self) -> dict[str, Any]:
-        """The WorkerOptions fields (besides role, ids and addresses) every worker actor gets."""
+    def worker_engine(self, role: str = "decode") -> dict[str, Any]:
+        """The WorkerOptions fields (besides role, ids and addresses) a `role` worker gets."""
         model = self.model
         return {"model": model.path, "dtype": model.dtype, "kv_cache_gb": model.kv_cache_gb,
                 "max_num_batched_tokens": model.max_num_batched_tokens,
-                **self.workers.worker_options()}
+                "tensor_parallel_size": self.tp_for(role), **self.workers.worker_options()}
 
     @property
     def worker_names(self) -> list[tuple[str, str]]:

@@ -3,7 +3,10 @@
 Everything is a named, detached Ray object in the config's namespace, so `status` and `down` work
 from any later driver: the placement group `{name}-pg` (one bundle per worker, the configured
 strategy), the router actor `{name}-router` (pinned to the head node, fixed port), and one actor
-per worker, `{name}-prefill-0`, `{name}-decode-0`, ... each in its own bundle."""
+per worker, `{name}-prefill-0`, `{name}-decode-0`, ... each in its own bundle. A worker of N
+tensor-parallel ranks has a placement group of its own instead, `{name}-{worker id}-pg`: N
+bundles, STRICT_PACK (its ranks share memory, so one node); the worker actor (rank 0) takes the
+first and starts its ranks 1.. as actors in the others (deploy.actors.RayRankLauncher)."""
 
 from __future__ import annotations
 
@@ -50,15 +53,19 @@ def check_fits(config: DeployConfig, nodes: list[dict[str, Any]]) -> None:
     """Sizes the Ray cluster can never satisfy are errors before anything starts (a placement
     group that cannot be placed would otherwise just wait)."""
     alive = [n for n in nodes if n.get("Alive")]
-    bundles, bundle = len(config.worker_names), config.workers.bundle
+    bundles = sum(config.tp_for(role) for role, _ in config.worker_names)
+    bundle = config.workers.bundle
     for resource, per_worker in bundle.items():
         have = sum(n["Resources"].get(resource, 0) for n in alive)
         if have < per_worker * bundles:
             raise ConfigError(f"{bundles} workers x {per_worker} {resource} = "
                               f"{per_worker * bundles:g} {resource}, but the Ray cluster has "
                               f"{have:g}")
-    if not any(all(n["Resources"].get(r, 0) >= v for r, v in bundle.items()) for n in alive):
-        raise ConfigError(f"no node of the Ray cluster can hold one worker ({bundle})")
+    for ranks in sorted({config.tp_for(role) for role, _ in config.worker_names}):
+        if not any(all(n["Resources"].get(r, 0) >= v * ranks for r, v in bundle.items())
+                   for n in alive):
+            raise ConfigError(f"no node of the Ray cluster can hold one worker of {ranks} "
+                              f"rank(s) ({ranks} x {bundle}: its ranks share one node)")
     head = next((n for n in alive if HEAD_RESOURCE in n["Resources"]), None)
     if head is None or head["Resources"].get("CPU", 0) < config.router.num_cpus:
         raise ConfigError(f"router.num_cpus is {config.router.num_cpus:g} but the head node, "
@@ -78,11 +85,12 @@ def deploy(config: DeployConfig) -> Deployment:
         raise DeployError(f"deployment {config.name!r} is already running in namespace "
                           f"{config.ray.namespace!r}: tear it down first")
     try:
-        group = _placement_group(config)
+        places = _placement_groups(config)
         router = _start_router(config)
         info = ray.get(router.info.remote(), timeout=config.placement.timeout_s)
-        workers = [_start_worker(config, group, i, role, worker_id, info["registry_address"])
-                   for i, (role, worker_id) in enumerate(config.worker_names)]
+        workers = [_start_worker(config, places[worker_id], role, worker_id,
+                                 info["registry_address"])
+                   for role, worker_id in config.worker_names]
         infos = ray.get([w.info.remote() for w in workers], timeout=config.placement.timeout_s)
         _wait_registered(info["address"], len(workers), config.placement.timeout_s,
                          router_ca(config))
@@ -102,16 +110,48 @@ def deploy(config: DeployConfig) -> Deployment:
     return Deployment(config.name, info["address"], [info, *infos])
 
 
-def _placement_group(config: DeployConfig) -> Any:
-    bundles = [config.workers.bundle for _ in config.worker_names]
-    group = placement_group(bundles, strategy=config.placement.strategy,
-                            name=f"{config.name}-pg", lifetime="detached")
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where a worker actor goes: its placement group, its bundle there, and the group's name
+    when the worker's ranks 1.. take the group's other bundles."""
+
+    group: Any
+    bundle: int
+    rank_group: str | None = None
+
+
+def _placement_groups(config: DeployConfig) -> dict[str, WorkerPlace]:
+    """worker id -> its place: workers of one rank share `{name}-pg` (a bundle each, the
+    configured strategy), a worker of N ranks gets a group of N bundles of its own."""
+    places: dict[str, WorkerPlace] = {}
+    single = [worker_id for role, worker_id in config.worker_names if config.tp_for(role) == 1]
+    if single:
+        group = _ready_group(config, f"{config.name}-pg", len(single),
+                             config.placement.strategy)
+        places.update({worker_id: WorkerPlace(group, i) for i, worker_id in enumerate(single)})
+    for role, worker_id in config.worker_names:
+        if config.tp_for(role) > 1:
+            name = f"{config.name}-{worker_id}-pg"
+            group = _ready_group(config, name, config.tp_for(role), "STRICT_PACK")
+            places[worker_id] = WorkerPlace(group, 0, name)
+    return places
+
+
+def group_names(config: DeployConfig) -> list[str]:
+    return [f"{config.name}-pg"] + [f"{config.name}-{worker_id}-pg"
+                                    for role, worker_id in config.worker_names
+                                    if config.tp_for(role) > 1]
+
+
+def _ready_group(config: DeployConfig, name: str, bundles: int, strategy: str) -> Any:
+    group = placement_group([config.workers.bundle] * bundles, strategy=strategy, name=name,
+                            lifetime="detached")
     try:
         ray.get(group.ready(), timeout=config.placement.timeout_s)
     except ray.exceptions.GetTimeoutError as exc:
-        raise DeployError(f"placement group {config.name}-pg ({len(bundles)} x "
-                          f"{config.workers.bundle}, {config.placement.strategy}) was not "
-                          f"placed within {config.placement.timeout_s:g}s") from exc
+        raise DeployError(f"placement group {name} ({bundles} x {config.workers.bundle}, "
+                          f"{strategy}) was not placed within "
+                          f"{config.placement.timeout_s:g}s") from exc
     return group
 
 
@@ -125,7 +165,7 @@ def _start_router(config: DeployConfig) -> Any:
              section.max_queued, section.http_port, config.credentials, section.internal_port)
 
 
-def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, worker_id: str,
+def _start_worker(config: DeployConfig, place: WorkerPlace, role: str, worker_id: str,
                   router_address: str) -> Any:
     workers = config.workers
     # On CUDA Ray gives the actor its GPU (or its part of one) as its only visible device, so
@@ -135,9 +175,9 @@ def _start_worker(config: DeployConfig, group: Any, bundle: int, role: str, work
         max_restarts=workers.max_restarts, max_concurrency=4, num_cpus=workers.num_cpus,
         num_gpus=workers.num_gpus,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=bundle),
-    ).remote(role, worker_id, router_address, workers.host, config.worker_engine(),
-             workers.grace_s, config.placement.timeout_s, config.credentials)
+            place.group, placement_group_bundle_index=place.bundle),
+    ).remote(role, worker_id, router_address, workers.host, config.worker_engine(role),
+             workers.grace_s, config.placement.timeout_s, config.credentials, place.rank_group)
 
 
 def router_ca(config: DeployConfig) -> bytes | None:
@@ -198,10 +238,11 @@ def teardown(config: DeployConfig, timeout_s: float | None = None) -> list[str]:
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for actor in group:
             ray.kill(actor, no_restart=True)
-    try:
-        remove_placement_group(get_placement_group(f"{config.name}-pg"))
-    except ValueError:  # never created
-        pass
+    for name in group_names(config):
+        try:
+            remove_placement_group(get_placement_group(name))
+        except ValueError:  # never created
+            pass
     _wait_for(lambda: not _existing(config), CALL_TIMEOUT_S * 3,
               f"actors of {config.name!r} still present after teardown")
     return [name for name, _ in found]

@@ -15,6 +15,7 @@ from engine.model_runner import LaunchedStep, ModelRunner
 from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from engine.tp_ranks import RankLauncher
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,9 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None,
+                 rank_launcher: RankLauncher | None = None):
+        """`rank_launcher`: where tensor-parallel ranks 1.. run (default: local processes)."""
         config = config or EngineConfig()
         self.config = config
         self.model_path = resolve_model_path(config.model)
@@ -52,7 +55,7 @@ class LLMEngine:
         self.dtype = config.dtype or default_dtype(config.device)
         self.max_model_len = self._max_model_len()
         self.runner = ModelRunner(config, self.model_config, self.model_path, self.dtype,
-                                  self.max_model_len)
+                                  self.max_model_len, rank_launcher)
         cache = config.cache
         self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)

@@ -26,7 +26,14 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import HostBatch, batch_tensors, host_batch
 from engine.structured_output import GrammarBook
 from engine.token_counts import TokenCounts, output_history
-from engine.tp_ranks import RankSpec, TensorParallelRanks, copy_blocks, shard_of, start_ranks
+from engine.tp_ranks import (
+    RankLauncher,
+    RankSpec,
+    TensorParallelRanks,
+    copy_blocks,
+    shard_of,
+    start_ranks,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,7 +83,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
-                 dtype: str, max_model_len: int):
+                 dtype: str, max_model_len: int, rank_launcher: RankLauncher | None = None):
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             # Events, CUDA-graph capture and Triton launches use the current device: a worker
@@ -89,7 +96,8 @@ class ModelRunner:
             raise ValueError("fused_kernels runs Triton kernels: on CUDA, or on CPU under "
                              "TRITON_INTERPRET=1")
         self.ranks: TensorParallelRanks | None = None  # ranks 1.. of a tensor-parallel engine
-        self.model = self._build_model(config, model_config, model_path, max_model_len)
+        self.model = self._build_model(config, model_config, model_path, max_model_len,
+                                       rank_launcher)
         shard = self.model.shard
         shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
                  len(shard.kv_heads) if shard else model_config.num_kv_heads,
@@ -117,7 +125,7 @@ class ModelRunner:
             self.enable_decode_graphs(config.scheduler.max_num_seqs, max_model_len, capture=True)
 
     def _build_model(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
-                     max_model_len: int) -> LlamaModel:
+                     max_model_len: int, rank_launcher: RankLauncher | None) -> LlamaModel:
         """This process's model (rank 0's share under tensor parallelism, the other ranks
         started beside it: engine.tp_ranks) and the KV cache's size in blocks."""
         size = config.tensor_parallel_size
@@ -130,7 +138,7 @@ class ModelRunner:
             self.ranks = start_ranks(RankSpec(
                 str(model_path), model_config, self.dtype, config.device, self.block_size,
                 self.num_blocks, config.attention_backend, max_model_len, size, 0,
-                max(1, torch.get_num_threads() // size)))
+                max(1, torch.get_num_threads() // size)), rank_launcher)
             group = self.ranks.group
         return LlamaModel(model_config, weights, max_positions=max_model_len,
                           elementwise=select_elementwise(config.fused_kernels, self.device),

@@ -1,11 +1,14 @@
 """The ranks of a tensor-parallel engine beyond rank 0: one process each, holding its share of the
 weights and its heads' KV cache, running the model on every step rank 0 runs.
 
-Rank 0 (the engine's process: scheduler, block manager, sampling) starts them, hands each step's
-batch to them over a pipe (host lists: each rank builds its own tensors), and runs its own share
-of the forward; the ranks meet in the forward's collectives (engine.tensor_parallel). A rank that
+Rank 0 (the engine's process: scheduler, block manager, sampling) starts them — as local
+processes, or through another launcher (deploy/'s Ray actors in the worker's placement group) —
+and they connect back to its Unix socket (an abstract name, a random key both sides prove), which
+carries each step's batch to them (host lists: each rank builds its own tensors) and, on CPU, each
+rank's KV-cache memfd to rank 0, which maps it for the KV transports. Rank 0 runs its own share of
+the forward; the ranks meet in the forward's collectives (engine.tensor_parallel). A rank that
 dies fails the step that needs it (its peers' collectives error or time out), and rank 0's next
-step refuses to run: the engine goes down as a unit. A rank whose parent is gone exits."""
+step refuses to run: the engine goes down as a unit. A rank whose rank 0 is gone exits."""
 
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ import datetime
 import logging
 import multiprocessing as mp
 import os
+import secrets
+import socket
+import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import recv_handle, send_handle
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,37 +55,106 @@ class RankSpec:
     threads: int
 
 
+class RankProcess(Protocol):
+    """Rank 0's handle on where one rank runs."""
+
+    def alive(self) -> bool: ...
+
+    def describe(self) -> str:
+        """How it ended, for error messages."""
+        ...
+
+    def stop(self, timeout_s: float) -> None:
+        """Make sure it is gone (after it was told to stop)."""
+        ...
+
+
+class RankLauncher(Protocol):
+    def start(self, spec: RankSpec, rank: int, address: str, authkey: bytes) -> RankProcess:
+        """Run `rank_main(spec, rank, address, authkey)` somewhere on this host."""
+        ...
+
+
+class LocalRank:
+    def __init__(self, proc: mp.process.BaseProcess):
+        self.proc = proc
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def describe(self) -> str:
+        self.proc.join(1.0)
+        return f"exit code {self.proc.exitcode}"
+
+    def stop(self, timeout_s: float) -> None:
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+
+
+class ProcessLauncher:
+    """Each rank a spawned child process of rank 0's."""
+
+    def start(self, spec: RankSpec, rank: int, address: str, authkey: bytes) -> LocalRank:
+        proc = mp.get_context("spawn").Process(
+            target=rank_main, args=(spec, rank, address, authkey, os.getpid()),
+            name=f"tp-rank-{rank}", daemon=True)
+        proc.start()
+        return LocalRank(proc)
+
+
 class TensorParallelRanks:
     """Rank 0's handle on ranks 1..size-1. On CPU each rank's KV cache lives in a memfd that
     rank 0 maps too (`kv_buffers`): the KV transports read and write every rank's heads from
     rank 0's process, as they do a single-rank cache."""
 
-    def __init__(self, spec: RankSpec, store: dist.TCPStore):
+    def __init__(self, spec: RankSpec, store: dist.TCPStore, launcher: RankLauncher):
         self._store = store  # the group's rendezvous: kept while the group lives
         self._broken: str | None = None
-        context = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._procs: list[mp.process.BaseProcess] = []
         self.kv_buffers: list[KVBuffer] = []  # ranks 1.. (CPU): their caches, mapped here
-        for rank in range(1, spec.size):
-            ours, theirs = context.Pipe()
-            proc = context.Process(target=rank_main, args=(spec, rank, theirs, os.getpid()),
-                                   name=f"tp-rank-{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
+        self._conns: list[Connection] = []
+        self._procs: list[RankProcess] = []
         self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
+        authkey = secrets.token_bytes(32)
+        with _listening() as (listener, address):
+            self._procs.extend(launcher.start(spec, rank, address, authkey)
+                               for rank in range(1, spec.size))
+            self._conns.extend(self._accept_all(listener, authkey, spec.size))
         self.group = TPGroup.join(store, 0, spec.size, torch.device(spec.device))
         for rank, conn in enumerate(self._conns, start=1):
             self._expect_ready(rank, conn, spec)
+
+    def _accept_all(self, listener: socket.socket, authkey: bytes, size: int
+                    ) -> list[Connection]:
+        """Every rank's connection, in rank order (they connect in any)."""
+        by_rank: dict[int, Connection] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(by_rank) < size - 1:
+            gone = [r for r, p in enumerate(self._procs, start=1) if not p.alive()]
+            if gone or time.monotonic() > deadline:
+                self.close()
+                why = f"rank {gone[0]} ended ({self._procs[gone[0] - 1].describe()})" if gone \
+                    else f"not every rank connected within {START_TIMEOUT_S:.0f}s"
+                raise RuntimeError(f"tensor-parallel ranks failed to start: {why}")
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+            _, rank = conn.recv()  # ("hello", rank)
+            by_rank[int(rank)] = conn
+        return [by_rank[rank] for rank in range(1, size)]
 
     def _expect_ready(self, rank: int, conn: Connection, spec: RankSpec) -> None:
         if not conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} did not start within "
                                f"{START_TIMEOUT_S:.0f}s")
-        answer = conn.recv()
+        answer = _receive(conn)
         if answer != "ready":
             self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {answer}")
@@ -98,11 +174,11 @@ class TensorParallelRanks:
         self.close()
 
     def lost(self) -> str | None:
-        """Why the group cannot run any more (a rank is gone), or None."""
+        """Why the group cannot run any more (a rank is gone or left with an error), or None."""
         if self._broken is not None:
             return self._broken
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
-            if not proc.is_alive():
+            if not proc.alive() or conn.poll():  # a rank only speaks up to say why it left
                 return f"tensor-parallel rank {rank} is gone ({_last_word(conn, proc)})"
         return None
 
@@ -111,7 +187,7 @@ class TensorParallelRanks:
         if self._broken is not None:
             raise RuntimeError(f"the tensor-parallel group is broken ({self._broken})")
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
-            if not proc.is_alive() or conn.poll():  # dead, or it reported an error and left
+            if not proc.alive() or conn.poll():  # dead, or it reported an error and left
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone "
                                    f"({_last_word(conn, proc)}): the engine cannot run without it")
             conn.send(message)
@@ -120,40 +196,64 @@ class TensorParallelRanks:
         self._finalizer()
 
 
-def _last_word(conn: Connection, proc: mp.process.BaseProcess) -> str:
+class _listening:
+    """A Unix socket under a random abstract name (nothing on disk), for the ranks to join."""
+
+    def __enter__(self) -> tuple[socket.socket, str]:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address = f"\0pdserve-tp-{os.getpid()}-{secrets.token_hex(8)}"
+        self.sock.bind(address)
+        self.sock.listen(64)
+        self.sock.settimeout(POLL_S)
+        return self.sock, address
+
+    def __exit__(self, *_: object) -> None:
+        self.sock.close()
+
+
+def _receive(conn: Connection) -> object:
+    try:
+        return conn.recv()
+    except (EOFError, OSError) as exc:
+        return f"its connection closed ({exc or type(exc).__name__})"
+
+
+def _last_word(conn: Connection, proc: RankProcess) -> str:
     """What a rank that left said (its error), else how it ended."""
     try:
         if conn.poll():
             return str(conn.recv())
     except (EOFError, OSError):
         pass
-    proc.join(1.0)
-    return f"exit code {proc.exitcode}"
+    return proc.describe()
 
 
-def _stop(conns: list[Connection], procs: list[mp.process.BaseProcess]) -> None:
+def _stop(conns: list[Connection], procs: list[RankProcess]) -> None:
     for conn in conns:
         try:
             conn.send(("stop",))
         except (OSError, ValueError):
             pass
     for proc in procs:
-        proc.join(10.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5.0)
+        proc.stop(10.0)
 
 
-def start_ranks(spec: RankSpec) -> TensorParallelRanks:
-    """Host the group's store, start ranks 1..size-1 and join them as rank 0."""
+def start_ranks(spec: RankSpec, launcher: RankLauncher | None = None) -> TensorParallelRanks:
+    """Host the group's store, start ranks 1..size-1 (local processes unless `launcher` says
+    otherwise) and join them as rank 0."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    return TensorParallelRanks(dataclasses.replace(spec, store_port=store.port), store)
+    return TensorParallelRanks(dataclasses.replace(spec, store_port=store.port), store,
+                               launcher or ProcessLauncher())
 
 
-def rank_main(spec: RankSpec, rank: int, conn: Connection, parent: int) -> None:
-    """A rank's process: build its share, then run every step rank 0 sends until told to stop."""
+def rank_main(spec: RankSpec, rank: int, address: str, authkey: bytes,
+              parent: int | None = None) -> None:
+    """A rank: join rank 0 at `address`, build its share, then run every step rank 0 sends
+    until told to stop or rank 0 is gone (its connection closed, or `parent` no longer ours)."""
     torch.set_num_threads(spec.threads)
+    conn = Client(address, family="AF_UNIX", authkey=authkey)
+    conn.send(("hello", rank))
     try:
         store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False,
                               wait_for_workers=False,
@@ -166,13 +266,20 @@ def rank_main(spec: RankSpec, rank: int, conn: Connection, parent: int) -> None:
         return
     conn.send("ready")
     if shard.kv.fd is not None:  # rank 0 maps our cache (its transports move our heads)
-        send_handle(conn, shard.kv.fd, parent)
+        send_handle(conn, shard.kv.fd, 0)
+    serve_steps(shard, rank, conn, parent)
+
+
+def serve_steps(shard: RankShard, rank: int, conn: Connection, parent: int | None) -> None:
     while True:
         if not conn.poll(POLL_S):
-            if os.getppid() != parent:  # rank 0 is gone
+            if parent is not None and os.getppid() != parent:  # rank 0 is gone
                 return
             continue
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone
+            return
         if message[0] == "stop":
             return
         try:

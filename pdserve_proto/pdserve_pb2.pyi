@@ -221,7 +221,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport", "prefill_site", "router_queue_s", "prefill_queue_s", "prefill_compute_s", "decode_admission_s")
+    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport", "prefill_site", "router_queue_s", "prefill_queue_s", "prefill_compute_s", "decode_admission_s", "prefill_tensor_parallel_size", "decode_tensor_parallel_size")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,8 @@ class Timings(_message.Message):
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     e2e_s: float
@@ -244,7 +246,9 @@ class Timings(_message.Message):
     prefill_queue_s: float
     prefill_compute_s: float
     decode_admission_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_site: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ...) -> None: ...
+    prefill_tensor_parallel_size: int
+    decode_tensor_parallel_size: int
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_site: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")

@@ -30,7 +30,8 @@ class PrefillWorker:
                  connectors: Mapping[str, KVSendConnector]):
         self.options = options
         self.worker_id = options.worker_id
-        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load)
+        self.metrics = WorkerMetrics(options.role, lambda: self.loop.load,
+                                     options.tensor_parallel_size)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
         # Sends to one decode worker run one at a time; the threads let sends to the others
         # proceed meanwhile (a dead receiver fails fast, so none is held for long).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -63,11 +63,15 @@ class LoadCollector(Collector):
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, load: Callable[[], LoadSnapshot]):
+    def __init__(self, role: str, load: Callable[[], LoadSnapshot],
+                 tensor_parallel_size: int = 1):
         self.role = role
         self.registry = CollectorRegistry()
         self.registry.register(LoadCollector(load, role))
         labels = ["role"]
+        Gauge("pdserve_worker_tensor_parallel_size", "Ranks (processes, devices) the worker's "
+              "model is split over", labels, registry=self.registry).labels(role).set(
+                  tensor_parallel_size)
         self.ttft = Histogram("pdserve_worker_ttft_seconds", "Arrival on the worker to the first "
                               "token", labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.itl = Histogram("pdserve_worker_inter_token_latency_seconds", "Time between a "

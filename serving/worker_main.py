@@ -16,6 +16,7 @@ from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.omp_threads import build_on_passing_thread, use_one_torch_thread
+from engine.tp_ranks import RankLauncher
 from kv_transfer.connectors import exports_cache
 from kv_transfer.device import device_identity
 from kv_transfer.selection import local_host_id
@@ -79,7 +80,10 @@ def main(role_name: str, make_role: Callable[[LLMEngine, WorkerOptions], WorkerR
     return serve(options, make_role(engine, options), engine.model_path.name)
 
 
-def build_engine(options: WorkerOptions) -> LLMEngine:
+def build_engine(options: WorkerOptions, rank_launcher: RankLauncher | None = None
+                 ) -> LLMEngine:
+    """The worker's engine (`rank_launcher`: where its tensor-parallel ranks 1.. run; default:
+    local processes)."""
     import torch
 
     torch.set_num_threads(options.threads)  # workers share the machine's cores
@@ -97,11 +101,11 @@ def build_engine(options: WorkerOptions) -> LLMEngine:
                           # Not yet run in a cluster on a GPU: off in workers until then.
                           fused_kernels=False)
     if options.device != "cpu":  # the GPU run proved workers built on this thread: kept so
-        return LLMEngine(config)
+        return LLMEngine(config, rank_launcher)
     # The engine loop's thread alone computes on `threads` cores (engine.omp_threads): this
     # thread goes on to serve requests, and the engine is built on one that ends.
     use_one_torch_thread()
-    return build_on_passing_thread(lambda: LLMEngine(config))
+    return build_on_passing_thread(lambda: LLMEngine(config, rank_launcher))
 
 
 def exports_kv_cache(options: WorkerOptions) -> bool:

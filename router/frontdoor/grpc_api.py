@@ -213,7 +213,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 kv_transfer_s=end.kv_transfer_s, kv_transfer_bytes=end.kv_transfer_bytes,
                 kv_transport=end.kv_transport, prefill_site=end.prefill_site,
                 prefill_queue_s=end.prefill_queue_s, prefill_compute_s=end.prefill_compute_s,
-                decode_admission_s=end.decode_admission_s))
+                decode_admission_s=end.decode_admission_s,
+                prefill_tensor_parallel_size=end.tensor_parallel[0],
+                decode_tensor_parallel_size=end.tensor_parallel[1]))
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:

@@ -37,6 +37,7 @@ class Finished:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     decode_admission_s: float = 0.0
+    tensor_parallel: tuple[int, int] = (0, 0)  # the prefilling and the decoding worker's TP
 
     def note_prefill(self, first: pb.PrefillResponse) -> None:
         """A prefill worker's answer: its cache hit, queue and compute, and the KV it shipped."""

@@ -184,6 +184,8 @@ class Orchestrator:
                 first = self._prefill(part, scope, suspects, decode, reserve, holders, end, keys)
             finally:
                 self.placement.release(charge)
+            prefill = next(w for w, kind in reversed(holders) if kind == "prefill")
+            end.tensor_parallel = (prefill.tensor_parallel_size, decode.tensor_parallel_size)
             yield Tokens([first.first_token_id],
                          [first.first_logprob] if first.HasField("first_logprob") else [],
                          list(first.prompt_logprobs))
@@ -287,6 +289,7 @@ class Orchestrator:
         end at the first token."""
         end.prefill_started = end.prefill_started or time.monotonic()
         end.prefill_site = "local" if kind in ("decode", "fork") else kind
+        end.tensor_parallel = (worker.tensor_parallel_size,) * 2
         message = pb.DecodeRequest(request_id=part.worker_request_id,
                                    prompt_token_ids=part.token_ids,
                                    sampling=sampling_to_proto(part.params), fork_of=fork_of)

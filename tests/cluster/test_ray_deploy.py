@@ -155,3 +155,49 @@ def _restarted(name: str, old_pid: int) -> bool:
     except (ray.exceptions.RayError, ValueError):
         return False
     return info["pid"] != old_pid and info["restarted"]
+
+
+def test_a_tensor_parallel_decode_worker_is_a_placement_group_of_rank_actors(
+        local_ray, tiny_llama_dir):
+    """decode at TP 2: its own placement group of 2 bundles (STRICT_PACK), the worker actor in
+    the first, its rank 1 an actor in the second; KV moves from the TP-1 prefill worker into
+    both ranks' heads; the rank SIGKILLed takes the worker down as a unit, Ray restarts it with a
+    new rank, and it serves the same tokens."""
+    import os
+    import signal
+
+    config = tiny_config(tiny_llama_dir, decode={"tensor_parallel_size": 2})
+    result = deployment.deploy(config)
+    try:
+        groups = {g["name"]: g for g in _placement_groups()}
+        assert groups["t-decode-0-pg"]["strategy"] == "STRICT_PACK"
+        assert len(groups["t-decode-0-pg"]["bundles"]) == 2 and len(groups["t-pg"]["bundles"]) == 1
+        decode = ray.get_actor("t-decode-0")
+        info = ray.get(decode.info.remote(), timeout=10)
+        assert len(info["rank_pids"]) == 1 and info["rank_pids"][0] != info["pid"]
+        tokens, _, last = stream_tokens(result.router_address,
+                                        greedy_request(PROMPT, 8), 60.0)
+        assert last.timings.prefill_site == "remote" and last.timings.kv_transfer_bytes > 0
+        sizes = {w.worker_id: w.tensor_parallel_size
+                 for w in deployment_status_workers(result.router_address)}
+        assert sizes == {"prefill-0": 1, "decode-0": 2}
+
+        os.kill(info["rank_pids"][0], signal.SIGKILL)
+        wait_until(lambda: _restarted("t-decode-0", info["pid"]), 120, "decode-0 restarted")
+        deployment._wait_registered(result.router_address, 2, 60)
+        again, _, _ = stream_tokens(result.router_address,
+                                    greedy_request(PROMPT, 8), 60.0)
+        assert again == tokens
+    finally:
+        names = deployment.teardown(config)
+    assert sorted(names) == ["t-decode-0", "t-prefill-0", "t-router"]
+    assert not _placement_groups()
+
+
+PROMPT = list(range(100, 800))  # past --local-prefill-max-tokens: prefilled remotely
+
+
+def deployment_status_workers(address: str) -> list:
+    from common.client import cluster_status
+
+    return list(cluster_status(address).workers)

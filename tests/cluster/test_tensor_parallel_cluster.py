@@ -13,6 +13,7 @@ from engine.request import SamplingParams
 from pdserve_proto import pdserve_pb2 as pb
 from tests.cluster.cluster_helpers import (
     greedy_request,
+    scrape,
     start_cluster,
     stream_all,
     stream_tokens,
@@ -60,9 +61,16 @@ def test_kv_moves_between_workers_of_different_tensor_parallel_sizes(
         assert last.timings.prefill_site == "remote"
         assert last.timings.kv_transport == transport
         assert last.timings.kv_transfer_bytes > 0
+        assert (last.timings.prefill_tensor_parallel_size,
+                last.timings.decode_tensor_parallel_size) == (prefill_tp, decode_tp)
         workers = wait_blocks_free(cluster)
         assert all(w.free_blocks == w.total_blocks for w in workers)
         sizes = {w.role: w.tensor_parallel_size for w in workers}
         assert sizes == {pb.WORKER_ROLE_PREFILL: prefill_tp, pb.WORKER_ROLE_DECODE: decode_tp}
         assert len({w.kv_layout for w in workers}) == 1
         assert "kv_heads=3" in workers[0].kv_layout
+        for worker in workers:
+            metrics = scrape(worker.metrics_address)
+            role = "prefill" if worker.role == pb.WORKER_ROLE_PREFILL else "decode"
+            assert metrics[f"pdserve_worker_tensor_parallel_size{{role={role}}}"] == \
+                worker.tensor_parallel_size

@@ -111,7 +111,7 @@ def test_a_dead_rank_fails_the_engine_at_once(tiny_llama_dir, prompts):
     engine = make(tiny_llama_dir, 2)
     try:
         greedy(engine, prompts[:1], max_tokens=2)
-        rank = engine.runner.ranks._procs[0]
+        rank = engine.runner.ranks._procs[0].proc
         rank.kill()
         rank.join(10)
         engine.add_request(prompts[1], SamplingParams(max_tokens=3), request_id="after")

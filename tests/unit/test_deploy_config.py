@@ -49,8 +49,20 @@ def test_cpu_workers_get_no_gpu_keys():
     config = DeployConfig.from_dict({"model": {"kv_cache_gb": 0.5}})
     assert config.worker_engine() == {
         "model": "default", "dtype": None, "kv_cache_gb": 0.5, "max_num_batched_tokens": None,
-        "device": "cpu", "threads": 1, "kv_transport": "auto"}
+        "device": "cpu", "threads": 1, "kv_transport": "auto", "tensor_parallel_size": 1}
     assert config.workers.num_gpus == 0
+
+
+def test_tensor_parallel_size_per_role():
+    config = DeployConfig.from_dict({"decode": {"replicas": 2, "tensor_parallel_size": 2}})
+    assert (config.tp_for("prefill"), config.tp_for("decode")) == (1, 2)
+    assert config.worker_engine("decode")["tensor_parallel_size"] == 2
+    assert config.worker_engine("prefill")["tensor_parallel_size"] == 1
+    with pytest.raises(ConfigError, match=r"prefill.tensor_parallel_size must be in \[1, 64\]"):
+        DeployConfig.from_dict({"prefill": {"tensor_parallel_size": 0}})
+    with pytest.raises(ConfigError, match="runs on CPU ranks only so far"):
+        DeployConfig.from_dict({"decode": {"tensor_parallel_size": 2},
+                                "workers": {"device": "cuda"}})
 
 
 @pytest.mark.parametrize(("data", "message"), [

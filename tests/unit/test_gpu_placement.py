@@ -314,7 +314,7 @@ def test_worker_flag_reaches_the_engines_cache_config(monkeypatch):
                                            "--gpu-memory-fraction", "0.45"])
     assert (options.device, options.gpu_memory_fraction) == ("cuda:1", 0.45)
     assert parse_worker_args("prefill", ["--router", "h:1"]).gpu_memory_fraction == 0.9
-    monkeypatch.setattr(worker_main, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(worker_main, "LLMEngine", lambda config, launcher=None: config)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     config = worker_main.build_engine(options)
     assert (config.device, config.cache.gpu_memory_fraction) == ("cuda:1", 0.45)
@@ -325,7 +325,7 @@ def test_graph_and_async_flags_reach_the_engine_config(monkeypatch):
 
     options = parse_worker_args("decode", ["--router", "h:1", "--device", "cuda:0",
                                            "--cuda-graphs", "--async-scheduling"])
-    monkeypatch.setattr(worker_main, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(worker_main, "LLMEngine", lambda config, launcher=None: config)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     config = worker_main.build_engine(options)
     assert (config.cuda_graphs, config.async_scheduling) == (True, True)

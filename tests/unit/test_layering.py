@@ -22,7 +22,9 @@ ALLOWED = {
     "planner": {"router"},
     "launch": {"common", "security"},
     "cli": {"router", "launch", "planner", "common", "security", "serving", "engine"},
-    "deploy": {"router", "prefill_worker", "decode_worker", "serving", "common", "security"},
+    # engine: a tensor-parallel rank's body (engine.tp_ranks.rank_main), run in a rank actor
+    "deploy": {"router", "prefill_worker", "decode_worker", "serving", "common", "security",
+               "engine"},
     "loadtest": {"engine", "launch", "common"},
 }
 PROJECT_PACKAGES = set(ALLOWED) | {"benchmarks", "pdserve_proto"}

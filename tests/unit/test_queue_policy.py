@@ -215,7 +215,7 @@ def test_worker_flags_parse_validate_and_reach_the_scheduler_config(monkeypatch)
         WorkerOptions(role="prefill", router="h:1", queue_policy="lifo")
     with pytest.raises(ValueError, match="queue_age_bound_s must be > 0, got 0"):
         WorkerOptions(role="prefill", router="h:1", queue_age_bound_s=0)
-    monkeypatch.setattr(worker_main, "LLMEngine", lambda config: config)
+    monkeypatch.setattr(worker_main, "LLMEngine", lambda config, launcher=None: config)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     config = worker_main.build_engine(options)
     assert (config.scheduler.queue_policy, config.scheduler.queue_age_bound_s) == ("fcfs", 2.5)
