@@ -11,6 +11,7 @@ certificate and key and the CAs from its own node's files."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -99,8 +100,12 @@ class RankActor:
         from engine.tp_ranks import rank_main
 
         def run() -> None:
-            rank_main(spec, rank, address, authkey)
-            os._exit(0)
+            code = 1
+            try:
+                rank_main(spec, rank, address, authkey)
+                code = 0
+            finally:  # the rank is over (stopped, rank 0 gone, or failed): so is this actor
+                os._exit(code)
 
         threading.Thread(target=run, name=f"tp-rank-{rank}", daemon=True).start()
 
@@ -109,16 +114,29 @@ class RankActor:
 
 
 class RayRank:
-    """Rank 0's handle on one RankActor (engine.tp_ranks.RankProcess)."""
+    """Rank 0's handle on one RankActor (engine.tp_ranks.RankProcess): alive until a probe of
+    it fails (it could not be placed or started, or it died)."""
 
     def __init__(self, actor: Any):
         self.actor = actor
+        self._probe = actor.pid.remote()
+        self._dead = ""
 
     def alive(self) -> bool:
-        return True  # a rank that dies closes its connection to rank 0: rank 0 sees that
+        if self._dead:
+            return False
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if ready:
+            try:
+                ray.get(self._probe)
+            except ray.exceptions.RayError as exc:
+                self._dead = type(exc).__name__
+                return False
+            self._probe = self.actor.pid.remote()  # ask again next time
+        return True
 
     def describe(self) -> str:
-        return "a Ray actor"
+        return f"a Ray actor{f' ({self._dead})' if self._dead else ''}"
 
     def stop(self, timeout_s: float) -> None:
         ray.kill(self.actor, no_restart=True)
@@ -142,7 +160,7 @@ class RayRankLauncher:
             max_restarts=0, num_cpus=self.num_cpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=rank),
-        ).remote(spec, rank, address, authkey)
+        ).remote(dataclasses.replace(spec, threads=self.num_cpus), rank, address, authkey)
         self.started.append(RayRank(actor))
         return self.started[-1]
 

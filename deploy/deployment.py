@@ -58,7 +58,7 @@ def check_fits(config: DeployConfig, nodes: list[dict[str, Any]]) -> None:
     for resource, per_worker in bundle.items():
         have = sum(n["Resources"].get(resource, 0) for n in alive)
         if have < per_worker * bundles:
-            raise ConfigError(f"{bundles} workers x {per_worker} {resource} = "
+            raise ConfigError(f"{bundles} worker ranks x {per_worker} {resource} = "
                               f"{per_worker * bundles:g} {resource}, but the Ray cluster has "
                               f"{have:g}")
     for ranks in sorted({config.tp_for(role) for role, _ in config.worker_names}):
@@ -71,9 +71,11 @@ def check_fits(config: DeployConfig, nodes: list[dict[str, Any]]) -> None:
         raise ConfigError(f"router.num_cpus is {config.router.num_cpus:g} but the head node, "
                           f"where the router runs, has "
                           f"{0 if head is None else head['Resources'].get('CPU', 0):g} CPUs")
-    if config.placement.strategy == "STRICT_SPREAD" and len(alive) < bundles:
-        raise ConfigError(f"placement.strategy STRICT_SPREAD puts each of the {bundles} workers "
-                          f"on its own node, but the Ray cluster has {len(alive)} nodes")
+    spread = sum(config.tp_for(role) == 1 for role, _ in config.worker_names)
+    if config.placement.strategy == "STRICT_SPREAD" and len(alive) < spread:
+        raise ConfigError(f"placement.strategy STRICT_SPREAD puts each of the {spread} "
+                          f"single-rank workers on its own node, but the Ray cluster has "
+                          f"{len(alive)} nodes")
 
 
 def deploy(config: DeployConfig) -> Deployment:

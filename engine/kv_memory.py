@@ -31,6 +31,12 @@ class KVBuffer:
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    def release(self) -> None:
+        """Close the memfd (the memory goes once no process maps it any more)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
 
 def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                        shareable: bool = False) -> KVBuffer:
@@ -56,10 +62,14 @@ def map_kv_buffer(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> KVBuff
     """Map another process's shareable CPU cache (its memfd, received over a socket) into this
     one; the buffer keeps the fd, so this process can export it in turn."""
     num_bytes = math.prod(shape) * dtype.itemsize
-    if os.fstat(fd).st_size != num_bytes:
-        raise ValueError(f"the cache's memfd holds {os.fstat(fd).st_size} bytes, a "
-                         f"{shape} {dtype} cache is {num_bytes}")
-    mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    try:
+        if os.fstat(fd).st_size != num_bytes:
+            raise ValueError(f"the cache's memfd holds {os.fstat(fd).st_size} bytes, a "
+                             f"{shape} {dtype} cache is {num_bytes}")
+        mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    except BaseException:
+        os.close(fd)
+        raise
     tensor = torch.frombuffer(mapping, dtype=dtype).view(shape)
     return KVBuffer(tensor, list(tensor.unbind(0)), fd, mapping)
 

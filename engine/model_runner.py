@@ -98,14 +98,7 @@ class ModelRunner:
         self.ranks: TensorParallelRanks | None = None  # ranks 1.. of a tensor-parallel engine
         self.model = self._build_model(config, model_config, model_path, max_model_len,
                                        rank_launcher)
-        shard = self.model.shard
-        shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
-                 len(shard.kv_heads) if shard else model_config.num_kv_heads,
-                 model_config.head_dim)
-        self.kv_buffer = allocate_kv_buffer(shape, self.dtype, self.device,
-                                            config.cache.shareable)
-        self.kv_caches = self.kv_buffer.layers
-        self.kv_shards = self._kv_shards(model_config)
+        self._allocate_cache(config, model_config)
         self.attention = get_attention_backend(config.attention_backend, self.device)
         softcap = model_config.gemma is not None and model_config.gemma.attention_softcap
         if (any(model_config.layer_windows) or softcap) and not self.attention.supports_window:
@@ -144,12 +137,23 @@ class ModelRunner:
                           elementwise=select_elementwise(config.fused_kernels, self.device),
                           tp=group, shard=shard)
 
+    def _allocate_cache(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        """This rank's KV cache (`kv_buffer`, `kv_caches`: its layers) and `kv_shards`."""
+        shard = self.model.shard
+        shape = (model_config.num_layers, 2, self.num_blocks, self.block_size,
+                 len(shard.kv_heads) if shard else model_config.num_kv_heads,
+                 model_config.head_dim)
+        self.kv_buffer = allocate_kv_buffer(shape, self.dtype, self.device,
+                                            config.cache.shareable)
+        self.kv_caches = self.kv_buffer.layers
+        self.kv_shards = self._kv_shards(model_config)
+
     def _kv_shards(self, model_config: ModelConfig) -> KVShards:
         """The whole cache as the KV transports see it: ours, and every other rank's as this
         process maps it."""
         if self.ranks is None:
             return KVShards.whole(self.kv_buffer)
-        size = len(self.ranks.kv_buffers) + 1
+        size = self.ranks.size
         heads = tuple(shard_of(model_config, rank, size).kv_heads for rank in range(size))
         return KVShards((self.kv_buffer, *self.ranks.kv_buffers), heads,
                         model_config.num_kv_heads)
@@ -248,9 +252,10 @@ class ModelRunner:
         land in it."""
         if not copies:
             return
-        if self.ranks is not None:
-            self.ranks.send(("copy", copies))
-        copy_blocks(self.kv_buffer.tensor, copies, self.device)
+        if self.ranks is not None and not self.ranks.kv_buffers:
+            self.ranks.send(("copy", copies))  # caches this process does not map
+        for buffer in self.kv_shards.buffers:  # every rank's, mapped here: done on return
+            copy_blocks(buffer.tensor, copies, self.device)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 

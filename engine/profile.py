@@ -102,14 +102,16 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="the worker's torch threads (as its --threads: under tensor "
+                             "parallelism rank 0 keeps them and ranks 1.. get a share)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--lengths", default="128,512,1024,2048")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads * args.tensor_parallel_size)  # each rank gets its share
+    torch.set_num_threads(args.threads)
     profile = measure(args.model, args.dtype, [int(x) for x in args.lengths.split(",")],
                       [int(x) for x in args.batches.split(",")], args.repeats,
                       args.tensor_parallel_size)

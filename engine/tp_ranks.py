@@ -19,9 +19,11 @@ import multiprocessing as mp
 import os
 import secrets
 import socket
+import struct
 import time
 import weakref
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Protocol
@@ -112,59 +114,69 @@ class TensorParallelRanks:
     def __init__(self, spec: RankSpec, store: dist.TCPStore, launcher: RankLauncher):
         self._store = store  # the group's rendezvous: kept while the group lives
         self._broken: str | None = None
+        self.size = spec.size
         self.kv_buffers: list[KVBuffer] = []  # ranks 1.. (CPU): their caches, mapped here
         self._conns: list[Connection] = []
         self._procs: list[RankProcess] = []
-        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs)
-        authkey = secrets.token_bytes(32)
-        with _listening() as (listener, address):
-            self._procs.extend(launcher.start(spec, rank, address, authkey)
-                               for rank in range(1, spec.size))
-            self._conns.extend(self._accept_all(listener, authkey, spec.size))
-        self.group = TPGroup.join(store, 0, spec.size, torch.device(spec.device))
-        for rank, conn in enumerate(self._conns, start=1):
-            self._expect_ready(rank, conn, spec)
+        self._finalizer = weakref.finalize(self, _stop, self._conns, self._procs,
+                                           self.kv_buffers)
+        try:
+            authkey = secrets.token_bytes(32)
+            with _listening() as (listener, address):
+                for rank in range(1, spec.size):
+                    self._procs.append(launcher.start(spec, rank, address, authkey))
+                self._conns.extend(self._accept_all(listener, authkey, spec.size))
+            self.group = TPGroup.join(store, 0, spec.size, torch.device(spec.device))
+            for rank, conn in enumerate(self._conns, start=1):
+                self._expect_ready(rank, conn, spec)
+        except BaseException:
+            self.close()  # every rank started so far, and every cache mapped
+            raise
 
     def _accept_all(self, listener: socket.socket, authkey: bytes, size: int
                     ) -> list[Connection]:
-        """Every rank's connection, in rank order (they connect in any)."""
+        """Every rank's connection, in rank order (they connect in any). A connection that
+        fails the handshake (another user, a wrong key, a bad or repeated rank, silence) is
+        dropped and the wait goes on; a rank that ends first fails the start."""
         by_rank: dict[int, Connection] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(by_rank) < size - 1:
             gone = [r for r, p in enumerate(self._procs, start=1) if not p.alive()]
-            if gone or time.monotonic() > deadline:
-                self.close()
-                why = f"rank {gone[0]} ended ({self._procs[gone[0] - 1].describe()})" if gone \
-                    else f"not every rank connected within {START_TIMEOUT_S:.0f}s"
-                raise RuntimeError(f"tensor-parallel ranks failed to start: {why}")
+            if gone:
+                raise RuntimeError(f"tensor-parallel rank {gone[0]} ended before it joined "
+                                   f"({self._procs[gone[0] - 1].describe()})")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not every tensor-parallel rank joined within "
+                                   f"{START_TIMEOUT_S:.0f}s")
             try:
                 sock, _ = listener.accept()
             except TimeoutError:
                 continue
-            sock.settimeout(None)
-            conn = Connection(sock.detach())
-            deliver_challenge(conn, authkey)
-            answer_challenge(conn, authkey)
-            _, rank = conn.recv()  # ("hello", rank)
-            by_rank[int(rank)] = conn
+            try:
+                rank, conn = _handshake(sock, authkey, size)
+            except (OSError, EOFError, ValueError, AuthenticationError) as exc:
+                log.warning("refused a connection to the tensor-parallel group: %s", exc)
+                continue
+            if rank in by_rank:
+                conn.close()
+                log.warning("refused a second connection claiming rank %d", rank)
+                continue
+            by_rank[rank] = conn
         return [by_rank[rank] for rank in range(1, size)]
 
     def _expect_ready(self, rank: int, conn: Connection, spec: RankSpec) -> None:
         if not conn.poll(START_TIMEOUT_S):
-            self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} did not start within "
                                f"{START_TIMEOUT_S:.0f}s")
         answer = _receive(conn)
         if answer != "ready":
-            self.close()
             raise RuntimeError(f"tensor-parallel rank {rank} failed to start: {answer}")
         if torch.device(spec.device).type == "cpu":
             try:
                 fd = recv_handle(conn)
                 self.kv_buffers.append(map_kv_buffer(fd, rank_cache_shape(spec, rank),
                                                      spec.dtype))
-            except (OSError, ValueError) as exc:
-                self.close()
+            except (OSError, ValueError, EOFError, RuntimeError) as exc:
                 raise RuntimeError(f"mapping tensor-parallel rank {rank}'s KV cache: "
                                    f"{exc}") from exc
 
@@ -211,6 +223,38 @@ class _listening:
         self.sock.close()
 
 
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def _handshake(sock: socket.socket, authkey: bytes, size: int) -> tuple[int, Connection]:
+    """A joining rank's connection: the same user, the group's key both ways, then its rank
+    (1..size-1); every read bounded (the socket stays blocking for Connection, with a receive
+    timeout that is lifted once it is in)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        sock.close()
+        raise ValueError(f"a process of uid {uid}, not {os.getuid()}")
+    sock.settimeout(None)
+    bounded = struct.pack("ll", int(HANDSHAKE_TIMEOUT_S), 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, bounded)
+    conn = Connection(sock.detach())
+    try:
+        deliver_challenge(conn, authkey)
+        answer_challenge(conn, authkey)
+        hello = conn.recv()
+        if not (isinstance(hello, tuple) and len(hello) == 2 and hello[0] == "hello"
+                and isinstance(hello[1], int) and 1 <= hello[1] < size):
+            raise ValueError(f"not a rank's hello: {hello!r:.80}")
+        unbounded = socket.socket(fileno=os.dup(conn.fileno()))
+        unbounded.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        unbounded.close()
+    except BaseException:
+        conn.close()
+        raise
+    return hello[1], conn
+
+
 def _receive(conn: Connection) -> object:
     try:
         return conn.recv()
@@ -228,7 +272,7 @@ def _last_word(conn: Connection, proc: RankProcess) -> str:
     return proc.describe()
 
 
-def _stop(conns: list[Connection], procs: list[RankProcess]) -> None:
+def _stop(conns: list[Connection], procs: list[RankProcess], buffers: list[KVBuffer]) -> None:
     for conn in conns:
         try:
             conn.send(("stop",))
@@ -236,6 +280,10 @@ def _stop(conns: list[Connection], procs: list[RankProcess]) -> None:
             pass
     for proc in procs:
         proc.stop(10.0)
+    for conn in conns:
+        conn.close()
+    for buffer in buffers:  # the ranks' memfds: their memory goes once nothing maps it
+        buffer.release()
 
 
 def start_ranks(spec: RankSpec, launcher: RankLauncher | None = None) -> TensorParallelRanks:

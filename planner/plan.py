@@ -179,9 +179,11 @@ def load_profiles(args: argparse.Namespace) -> dict[int, Profile]:
     return profiles
 
 
-def report(table: dict[float, list[dict]], slo: SLO, workers: int) -> list[str]:
+def report(table: dict[float, list[dict]], slo: SLO, workers: int, devices: bool = False
+           ) -> list[str]:
+    """`devices`: --workers counts devices (tensor-parallel roles), not workers."""
     lines = [f"SLO: TTFT <= {slo.ttft_s:g} s and mean inter-token gap <= {slo.tpot_s:g} s; "
-             f"{workers} workers.", ""]
+             f"{workers} {'devices' if devices else 'workers'}.", ""]
     for rate, results in table.items():
         best = results[0]
         lines += [f"rate {rate:g} req/s — recommended: {best['topology']} "
@@ -204,7 +206,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--rates must be > 0, --requests and --seeds >= 1")
     table = plan(load_profiles(args), rows, slo, args.workers, rates, args.requests, args.seeds,
                  args.prefill_tp, args.decode_tp)
-    print("\n".join(report(table, slo, args.workers)))
+    print("\n".join(report(table, slo, args.workers, max(args.prefill_tp, args.decode_tp) > 1)))
     if args.json is not None:
         args.json.write_text(json.dumps({str(rate): results for rate, results in table.items()},
                                         indent=2) + "\n")

@@ -109,4 +109,8 @@ class RouterLink:
             if not reply.known and not self.draining:
                 self._register_once()
         except grpc.RpcError as exc:  # router down or restarting: keep trying
-            log.debug("heartbeat to %s failed: %s", self.router_address, exc.code().name)
+            if exc.code() in REFUSALS:  # its registration again, refused: say so each time
+                log.error("router %s refused this worker's registration: %s",
+                          self.router_address, exc.details())
+            else:
+                log.debug("heartbeat to %s failed: %s", self.router_address, exc.code().name)

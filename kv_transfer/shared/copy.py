@@ -29,22 +29,21 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
 def copy_blocks(src: KVShards, src_ids: Sequence[int], dst: KVShards,
                 dst_ids: Sequence[int]) -> int:
     """Copy blocks between whole caches (every buffer [layers, 2, blocks, block_size, heads, d])
-    and wait until the copy is complete; returns the bytes written."""
+    and wait until the copy is complete; returns the model's bytes moved (every KV head once,
+    as the dist transport counts them, however many ranks replicate a head)."""
     runs = block_runs(src_ids, dst_ids)
     routes = head_routes(src.heads, dst.heads)
     devices = {b.tensor.device for b in (*src.buffers, *dst.buffers)}
-    written = 0
     try:
         for route in routes:
             s_heads = slice(route.src_start, route.src_start + route.count)
             d_heads = slice(route.dst_start, route.dst_start + route.count)
             source, target = src.buffers[route.src].tensor, dst.buffers[route.dst].tensor
             for s, d, n in runs:
-                piece = target[:, :, d:d + n, :, d_heads]
-                piece.copy_(source[:, :, s:s + n, :, s_heads], non_blocking=True)
-                written += piece.numel() * piece.element_size()
+                target[:, :, d:d + n, :, d_heads].copy_(source[:, :, s:s + n, :, s_heads],
+                                                        non_blocking=True)
     finally:  # also after a failed launch: runs already queued must be done before we report
         for device in devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-    return written
+    return dst.block_bytes * len(src_ids)

@@ -4,6 +4,7 @@ protocol is in kv_transfer.shared), and a writer's live mapping of a peer's cach
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import pickle
@@ -88,28 +89,28 @@ def _say_bye_and_close(conn: socket.socket) -> None:
 
 
 def _open_cache(header: dict, fds: list[int], conn: socket.socket) -> tuple[KVShards, object]:
-    """The peer's cache, one buffer per rank (and what keeps CPU buffers mapped)."""
-    dtype = getattr(torch, header["dtype"])
-    shards = header["shards"]
-    heads = tuple(range(*shard["heads"]) for shard in shards)
-    if header["kind"] == "cpu-memfd":
-        if len(fds) != len(shards):
-            for fd in fds:
-                os.close(fd)
-            raise ValueError(f"expected {len(shards)} file descriptors, got {len(fds)}")
-        buffers = []
+    """The peer's cache, one buffer per rank (and what keeps CPU buffers mapped); ValueError
+    for a header that does not describe one."""
+    try:
+        dtype = getattr(torch, header["dtype"])
+        shards = [(tuple(int(n) for n in shard["shape"]), range(*shard["heads"]))
+                  for shard in header["shards"]]
+        kind, num_kv_heads = header["kind"], int(header["num_kv_heads"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"not a KV cache export header: {exc!r}") from exc
+    heads = tuple(held for _, held in shards)
+    if kind == "cpu-memfd":
         try:
-            for fd, shard in zip(fds, shards):
-                # MAP_POPULATE: every page now, not one fault at a time inside the first writes.
-                mapped = mmap.mmap(fd, int(shard["num_bytes"]),
-                                   flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-                tensor = torch.frombuffer(mapped, dtype=dtype).view(tuple(shard["shape"]))
-                buffers.append(KVBuffer(tensor, list(tensor.unbind(0)), None, mapped))
+            if len(fds) != len(shards):
+                raise ValueError(f"expected {len(shards)} file descriptors, got {len(fds)}")
+            buffers = [_map_shard(fd, shape, dtype) for fd, (shape, _) in zip(fds, shards)]
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
-        return KVShards(tuple(buffers), heads, int(header["num_kv_heads"])), buffers
-    if header["kind"] == "cuda-ipc":
+        return KVShards(tuple(buffers), heads, num_kv_heads), buffers
+    if kind == "cuda-ipc":
         buffers = []
         for _ in shards:
             rebuild, args = pickle.loads(recv_frame(conn))  # noqa: S301 - a same-uid peer
@@ -118,8 +119,20 @@ def _open_cache(header: dict, fds: list[int], conn: socket.socket) -> tuple[KVSh
             args = (*args[:6], _local_gpu_index(header["device"]), *args[7:])
             tensor = rebuild(*args)
             buffers.append(KVBuffer(tensor, list(tensor.unbind(0))))
-        return KVShards(tuple(buffers), heads, int(header["num_kv_heads"])), None
-    raise ValueError(f"unknown export kind {header['kind']!r}")
+        return KVShards(tuple(buffers), heads, num_kv_heads), None
+    raise ValueError(f"unknown export kind {kind!r}")
+
+
+def _map_shard(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> KVBuffer:
+    """One rank's buffer of the peer's cache, mapped here: its memfd must hold exactly it."""
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if os.fstat(fd).st_size != num_bytes:
+        raise ValueError(f"a {shape} {dtype} buffer is {num_bytes} bytes, its memfd holds "
+                         f"{os.fstat(fd).st_size}")
+    # MAP_POPULATE: every page now, not one fault at a time inside the first writes.
+    mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    tensor = torch.frombuffer(mapped, dtype=dtype).view(shape)
+    return KVBuffer(tensor, list(tensor.unbind(0)), None, mapped)
 
 
 def _local_gpu_index(device: str) -> int:
@@ -186,7 +199,10 @@ def _recv_header(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def send_cache(conn: socket.socket, mapping_id: int, cache: KVShards, device: str) -> None:
     """The exporter's answer to a writer: the header, then the cache — every rank's buffer (its
-    fd, or its CUDA IPC handle) and the KV heads it holds."""
+    fd, or its CUDA IPC handle) and the KV heads it holds (at most MAX_RANKS buffers)."""
+    if len(cache.buffers) > MAX_RANKS:
+        raise ValueError(f"a cache of {len(cache.buffers)} rank buffers; at most {MAX_RANKS} "
+                         "can be exported")
     shards = [{"shape": list(b.tensor.shape), "heads": [h.start, h.stop],
                "num_bytes": b.num_bytes} for b, h in zip(cache.buffers, cache.heads)]
     header = {"mapping_id": mapping_id, "dtype": str(cache.primary.dtype).removeprefix("torch."),

@@ -87,7 +87,10 @@ class WorkerRegistry:
     def _check_layout(self, worker: Worker) -> None:
         if worker.role is Role.COLOCATED or not worker.kv_layout:
             return  # a colocated worker's KV never moves
+        now = self._clock()
         for other in self._workers.values():
+            if now - other.last_heartbeat > self.heartbeat_timeout_s:
+                continue  # gone, only not yet dropped
             if other.worker_id != worker.worker_id and other.role is not Role.COLOCATED \
                     and other.kv_layout and other.kv_layout != worker.kv_layout:
                 raise KVLayoutMismatch(

@@ -61,8 +61,8 @@ def test_copy_and_pack_move_each_head_to_where_the_other_side_holds_it(src_heads
     copied = split(torch.zeros_like(full), dst_heads)
     written = copy_blocks(split(full, src_heads), SRC_BLOCKS, copied, DST_BLOCKS)
     assert torch.equal(joined(copied), expected)
-    held = sum(len(h) for h in dst_heads)
-    assert written == len(SRC_BLOCKS) * LAYERS * 2 * BLOCK_SIZE * held * HEAD_DIM * 4
+    # the model's bytes, each head once, however many ranks replicate it
+    assert written == len(SRC_BLOCKS) * LAYERS * 2 * BLOCK_SIZE * heads * HEAD_DIM * 4
 
     packed = pack_blocks(split(full, src_heads), SRC_BLOCKS)
     received = split(torch.zeros_like(full), dst_heads)
