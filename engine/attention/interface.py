@@ -50,7 +50,7 @@ class AttentionBackend:
         self.write_kv: Callable[..., None] = getattr(fn, "write_kv", write_kv_cache)
         # Backends that can attend a fresh prompt straight from this step's K/V say so.
         self._takes_new_kv = bool(getattr(fn, "takes_new_kv", False))
-        self.supports_window = name in ("torch", "reference")
+        self.supports_window = name in ("torch", "reference", "triton")
 
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
@@ -63,7 +63,7 @@ class AttentionBackend:
                  num_kv_splits: int | None = None, window: int | None = None,
                  softcap: float | None = None, **kwargs: object) -> torch.Tensor:
         for name, value in (("window", window), ("softcap", softcap)):
-            if value is not None:  # sliding window, logit soft-capping: torch and reference
+            if value is not None:  # sliding window, logit soft-capping
                 if not self.supports_window:
                     raise ValueError(f"attention backend {self.name!r} has no {name} yet: use "
                                      "the torch backend")

@@ -127,22 +127,24 @@ def run_planned_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, native: ModuleType | None = None,
     window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p);
-    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2). The
-    native kernel does neither, so such layers take the torch paths."""
+    """`window`: sliding-window attention (a query at p sees keys p - window + 1 .. p; the
+    native kernel starts each row at its window, reading none of the keys before it);
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask (Gemma 2), which
+    the native kernel does not do, so such layers take the torch paths."""
     if window is not None and window >= plan.max_seq_len:
-        window = None  # every key of this step is inside it: the native kernel may run
-    if window is not None or softcap is not None:
+        window = None  # every key of this step is inside it
+    if softcap is not None:
         native = None
     if plan.decode_blocks is not None:
         if native is not None and q.device.type == "cpu":
-            _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out)
+            _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out, window or 0)
         else:
             _attend_decodes(plan, q, k_cache, v_cache, scale, out, window, softcap)
     for p in plan.prefills:
         if native is not None and p.chunk_table is not None and q.device.type == "cpu":
             native.paged_decode_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.chunk_table,
-                                          p.chunk_lens, scale, out[p.q_start:p.q_end])
+                                          p.chunk_lens, scale, out[p.q_start:p.q_end],
+                                          window or 0)
             continue
         _attend_prefill(p, q, k_cache, v_cache, scale, out, new_kv, window, softcap)
     return out
@@ -249,16 +251,16 @@ def _attend_decodes(plan: TorchAttentionPlan, q: torch.Tensor, k_cache: torch.Te
 
 def _attend_decodes_native(native: ModuleType, plan: TorchAttentionPlan, q: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, window: int = 0) -> None:
     """The native kernel reads K/V in place through the block table: no gather copy."""
     rows = plan.decode_rows
     if isinstance(rows, slice):  # views: the kernel writes straight into `out`
         native.paged_decode_attention(q[rows], k_cache, v_cache, plan.decode_table,
-                                      plan.decode_lens, scale, out[rows])
+                                      plan.decode_lens, scale, out[rows], window)
         return
     result = torch.empty((len(rows), *q.shape[1:]), dtype=q.dtype, device=q.device)
     native.paged_decode_attention(q[rows], k_cache, v_cache, plan.decode_table, plan.decode_lens,
-                                  scale, result)
+                                  scale, result, window)
     out[rows] = result
 
 

@@ -11,6 +11,11 @@ anything, NaN included), offsets into the cache are int64. Softmax is online, in
 Long-context decode splits each sequence's keys over NUM_SPLITS programs (split-KV) that write
 partial (max, sum, output) rows; a second kernel merges them.
 
+Sliding windows (WINDOWED, `window`): a query at p sees keys p - window + 1 .. p; a query tile
+starts at the first key tile any of its queries can see, so keys wholly before the window are
+never read. Soft-capping (SOFTCAP, Gemma 2): scores become softcap * tanh(scores / softcap)
+before the mask (tanh spelled with exp, which the interpreter has).
+
 Under TRITON_INTERPRET=1 (CPU) the kernel runs on CPU tensors: fp32 and fp16 directly; bf16 with
 UPCAST, which converts the loaded tiles to fp32 before the dot products (the interpreter's bf16
 dot is wrong); on a GPU, UPCAST is off and bf16/fp16 tiles go to the tensor cores.
@@ -42,10 +47,11 @@ def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
     part_m_ptr, part_l_ptr, part_o_ptr, scale, num_tokens, num_heads,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_bt,
+    stride_ot, stride_oh, stride_bt, window, softcap,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     q_tile = tl.program_id(0)  # axis 0: the only one not limited to 65535 programs
     seq = tl.program_id(1)
@@ -69,14 +75,17 @@ def _attention_kernel(
             q = q.to(tl.float32)
         # Keys this query tile can see at all, then this program's share of their tiles.
         kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
-        num_tiles = tl.cdiv(kv_end, TILE)
+        first_tile = 0
+        if WINDOWED:  # before the tile's first query's window: seen by none of its queries
+            first_tile = tl.maximum(context + q_tile * BLOCK_Q - window + 1, 0) // TILE
+        num_tiles = tl.cdiv(kv_end, TILE) - first_tile
         per_split = tl.cdiv(num_tiles, NUM_SPLITS)
         m_i, l_i, acc = _attend_tiles(
             q, k_cache_ptr, v_cache_ptr, block_table_ptr + seq * stride_bt, seq_len,
-            context + q_pos, kv_head, dims, dim_ok, split * per_split,
-            tl.minimum(num_tiles, (split + 1) * per_split), scale,
+            context + q_pos, kv_head, dims, dim_ok, first_tile + split * per_split,
+            first_tile + tl.minimum(num_tiles, (split + 1) * per_split), scale, window, softcap,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, BLOCK_SIZE, TILE, UPCAST, IEEE)
+            BLOCK_Q * GROUP_P2, HEAD_DIM_P2, BLOCK_SIZE, TILE, UPCAST, IEEE, WINDOWED, SOFTCAP)
         if NUM_SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
@@ -93,9 +102,10 @@ def _attention_kernel(
 @triton.jit
 def _attend_tiles(
     q, k_cache_ptr, v_cache_ptr, table_ptr, seq_len, last_key, kv_head, dims, dim_ok,
-    tile_lo, tile_hi, scale, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    BLOCK_M: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    tile_lo, tile_hi, scale, window, softcap, stride_kb, stride_ks, stride_kh, stride_vb,
+    stride_vs, stride_vh, BLOCK_M: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_lo, tile_hi): running max, sum and output rows."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -119,7 +129,12 @@ def _attend_tiles(
         else:
             qk = tl.dot(q, tl.trans(k))
         visible = key_ok[None, :] & (keys[None, :] <= last_key[:, None])
-        qk = tl.where(visible, qk * scale, float("-inf"))
+        if WINDOWED:
+            visible = visible & (keys[None, :] > last_key[:, None] - window)
+        qk = qk * scale
+        if SOFTCAP:  # softcap * tanh(qk / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
+        qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that sees no key yet
         p = tl.exp(qk - m_safe[:, None])
@@ -193,11 +208,11 @@ def paged_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, scale: float, max_query_len: int,
     max_seq_len: int, out: torch.Tensor | None = None, num_kv_splits: int | None = None,
-    upcast: bool | None = None,
+    upcast: bool | None = None, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """The paged_attention interface (engine.attention) in Triton. `num_kv_splits` (a power of
     two) forces the split-KV path; `upcast` (default: on under the interpreter) computes the dot
-    products in fp32."""
+    products in fp32; `window`, `softcap`: sliding-window attention and logit soft-capping."""
     _check_device(q, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, n_kv = seq_lens.shape[0], k_cache.shape[2]
@@ -216,16 +231,19 @@ def paged_attention_triton(
     block_q = max(1, (16 if max_query_len == 1 else 64) // triton.next_power_of_2(group))
     upcast = interpreting() if upcast is None else upcast
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, n_kv * splits)
+    if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+        raise ValueError(f"window must be >= 1 and softcap > 0, got {window} and {softcap}")
     with _on(q.device):
         _launch(grid, q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, scale,
-                splits, group, block_q, upcast)
+                splits, group, block_q, upcast, (window, softcap))
     return out
 
 
 def _launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, out: torch.Tensor, block_table: torch.Tensor,
             seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, splits: int,
-            group: int, block_q: int, upcast: bool) -> None:
+            group: int, block_q: int, upcast: bool,
+            window_softcap: tuple[int | None, float | None] = (None, None)) -> None:
     num_tokens, num_heads, head_dim = q.shape
     dim_p2 = max(16, triton.next_power_of_2(head_dim))
     if splits > 1:
@@ -243,6 +261,8 @@ def _launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor,
         q, k_cache, v_cache, out, block_table, seq_lens, query_start_loc, part_m, part_l,
         part_o, scale, num_tokens, num_heads, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3], out.stride(0), out.stride(1), block_table.stride(0),
+        window_softcap[0] or 0, window_softcap[1] or 1.0,
+        WINDOWED=window_softcap[0] is not None, SOFTCAP=window_softcap[1] is not None,
         GROUP=group, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_P2=dim_p2, BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         NUM_SPLITS=splits, UPCAST=upcast,

@@ -54,25 +54,27 @@ def make_case(lens, heads, kv_heads, dim, dtype=torch.float32, block_size=16, se
     return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
 
 
-def reference(q, k, v, table, lens):
+def reference(q, k, v, table, lens, window=None):
     """In fp32 throughout (bf16 inputs widen exactly), the result not rounded to bf16."""
     starts = torch.arange(len(lens) + 1, dtype=torch.int32)
     return paged_attention_reference(q.float(), k.float(), v.float(), table, lens, starts,
                                      scale=q.shape[-1] ** -0.5, max_query_len=1,
-                                     max_seq_len=int(lens.max()))
+                                     max_seq_len=int(lens.max()), window=window)
 
 
-def run(native, q, k, v, table, lens, out=None):
+def run(native, q, k, v, table, lens, out=None, window=0):
     out = torch.empty_like(q) if out is None else out
-    native.paged_decode_attention(q, k, v, table, lens, q.shape[-1] ** -0.5, out)
+    native.paged_decode_attention(q, k, v, table, lens, q.shape[-1] ** -0.5, out, window)
     return out
 
 
-def check(native, case, dtype):
-    got = run(native, *case).float()
+def check(native, case, dtype, window=None, expected=None):
+    """`expected`: the reference's answer when `case` is poisoned where the reference reads."""
+    got = run(native, *case, window=window or 0).float()
     assert torch.isfinite(got).all()
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-    torch.testing.assert_close(got, reference(*case), **tol)
+    expected = reference(*case, window=window) if expected is None else expected
+    torch.testing.assert_close(got, expected, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -104,6 +106,37 @@ def test_long_contexts_split_across_threads(kernel, lens, threads):
             check(kernel, make_case(lens, 8, 2, 128, dtype), dtype)
     finally:
         torch.set_num_threads(before)
+
+
+def check_window(native, case, dtype, window, block_size=16):
+    """Against the reference on `case`, then with NaN in every key and value slot before each
+    row's window (the reference multiplies those by 0; the kernel must read none of them)."""
+    expected = reference(*case, window=window)
+    _, k, v, table, lens = case
+    for row, n in enumerate(lens.tolist()):
+        for pos in range(max(0, n - window)):
+            block = int(table[row, pos // block_size])
+            k[block, pos % block_size], v[block, pos % block_size] = float("nan"), float("nan")
+    check(native, case, dtype, window, expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 100, 4096])
+def test_a_sliding_window_reads_only_the_keys_inside_it(kernel, window, dtype, threads):
+    """Windows starting inside a block, on a block boundary, within one tile, and longer than
+    some rows; long rows split across threads start their splits at the window; every slot
+    before a row's window is NaN, so a single read of one would show."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for group, dim in ((3, 64), (4, 128), (1, 80)):
+            heads, kv_heads = HEADS[group]
+            check_window(kernel, make_case(LENS, heads, kv_heads, dim, dtype), dtype, window)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        run(kernel, *make_case([4], 4, 4, 64), window=-1)
 
 
 @pytest.mark.parametrize("block_size", [8, 32, 48])
@@ -154,6 +187,7 @@ def test_paths_other_machines_compile(kernel, flag):
         heads, kv_heads = HEADS[group]
         for dtype in (torch.float32, torch.bfloat16):
             check(other, make_case(LENS, heads, kv_heads, dim, dtype), dtype)
+            check_window(other, make_case(LENS, heads, kv_heads, dim, dtype), dtype, 100)
 
 class _Recorder:
     """The native module, noting how many query rows each call got."""

@@ -117,11 +117,45 @@ def test_split_kv(q_lens, seq_lens, splits):
     check("triton", tensors, kwargs, torch.float32, num_kv_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 1000])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sliding_window_and_soft_capping(case, window, splits):
+    """Windows inside a key tile, on block and tile boundaries and longer than the sequences,
+    alone and with Gemma 2's soft-capping, over one program per sequence or split-KV."""
+    q_lens, seq_lens = CASES[case]
+    tensors, kwargs = build(q_lens, seq_lens, 8, 2)
+    for extra in (dict(window=window), dict(window=window, softcap=5.0), dict(softcap=2.0)):
+        expected = paged_attention_reference(*tensors, **kwargs, **extra)
+        got = triton_paged.paged_attention_triton(*[t.to(DEVICE) for t in tensors], **kwargs,
+                                                  num_kv_splits=splits, **extra).cpu()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_key_tiles_wholly_before_a_window_are_never_read():
+    """NaN in every key and value of the tiles before each decode query's window's first tile:
+    a single read of one would show."""
+    window, tile = 40, triton_paged.TILE_N
+    tensors, kwargs = build([1, 1], [200, 77], 4, 2)
+    expected = paged_attention_reference(*tensors, **kwargs, window=window)
+    _, k_cache, v_cache, table, seq_lens, _ = tensors
+    for row, length in enumerate(seq_lens.tolist()):
+        for pos in range((length - window) // tile * tile):
+            block, slot = int(table[row, pos // 16]), pos % 16
+            k_cache[block, slot], v_cache[block, slot] = float("nan"), float("nan")
+    got = triton_paged.paged_attention_triton(*[t.to(DEVICE) for t in tensors], **kwargs,
+                                              window=window).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_arguments_are_refused():
     tensors, kwargs = build([1], [5], 4, 2)
     with pytest.raises(ValueError, match="power of two"):
         triton_paged.paged_attention_triton(*[t.to(DEVICE) for t in tensors], **kwargs,
                                             num_kv_splits=3)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        triton_paged.paged_attention_triton(*[t.to(DEVICE) for t in tensors], **kwargs,
+                                            window=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -58,6 +58,8 @@ struct Args {
   int64_t q_seq, q_head, o_seq, o_head;  // strides, in elements
   int64_t row;                           // elements per cache slot: num_kv * head_dim
   float scale_log2;                      // softmax scale * log2(e)
+  int64_t window;                        // sliding window (0: none): a row of length n reads
+                                         // its last min(n, window) tokens only
   int64_t splits;                        // KV splits per sequence; > 1 merges through scratch
   int64_t kv_per_item;                   // KV heads one work item covers: 1 or num_kv
   float* scratch;                        // [num_seqs, splits, num_heads, head_dim + 2]
@@ -409,8 +411,12 @@ void run_item(const Args<T>& a, const Heads& heads, int64_t item, float* buf) {
   const int64_t s = item / (a.splits * chunks), sp = item / chunks % a.splits;
   const int64_t kv0 = item % chunks * a.kv_per_item, kv1 = kv0 + a.kv_per_item;
   const int64_t len = std::max<int32_t>(a.lens[s], 0), bs = a.block_size;
-  const int64_t nb = (len + bs - 1) / bs, per = (nb + a.splits - 1) / a.splits;
-  const int64_t b0 = std::min(nb, sp * per), b1 = std::min(nb, b0 + per);
+  // A sliding window starts the row at token `first`: its blocks before that are never read
+  // (the first tile starts inside its block), and the splits divide the blocks from there on.
+  const int64_t first = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t fb = first / bs, nb = (len + bs - 1) / bs;
+  const int64_t per = (nb - fb + a.splits - 1) / a.splits;
+  const int64_t b0 = std::min(nb, fb + sp * per), b1 = std::min(nb, b0 + per);
   const int64_t per_kv = state_floats(a.group, a.head_dim);
   float* tmp = buf + a.kv_per_item * per_kv;
   for (int64_t kvh = kv0; kvh < kv1; ++kvh)
@@ -422,7 +428,7 @@ void run_item(const Args<T>& a, const Heads& heads, int64_t item, float* buf) {
   };
   // Heads of one slot are adjacent, so an item over all KV heads reads each block as one
   // contiguous stream (measured faster than one item per KV head).
-  for (TileCursor cur{b0, 0, b1, len, bs}; cur.valid();) {
+  for (TileCursor cur{b0, b0 == fb ? first % bs : 0, b1, len, bs}; cur.valid();) {
     const TileCursor nxt = cur.next();
     const int n = cur.n(), nn = nxt.valid() ? nxt.n() : 0;
     const int64_t here = offset(cur), next = nxt.valid() ? offset(nxt) : here;
@@ -532,7 +538,7 @@ void choose_items(Args<T>& a, int64_t max_len) {
 template <typename T>
 void launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_table, const at::Tensor& seq_lens, double scale,
-            at::Tensor& out) {
+            at::Tensor& out, int64_t window) {
   Args<T> a;
   a.q = q.data_ptr<T>();
   a.k = k_cache.data_ptr<T>();
@@ -556,7 +562,8 @@ void launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   int64_t max_len = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) max_len = std::max<int64_t>(max_len, a.lens[s]);
   TORCH_CHECK(max_len <= a.width * a.block_size, "a sequence is longer than its block table");
-  choose_items(a, max_len);
+  a.window = window;
+  choose_items(a, window > 0 ? std::min(max_len, window) : max_len);
   at::Tensor scratch;
   if (a.splits > 1) {
     scratch = at::empty({a.num_seqs * a.splits * a.num_heads * (a.head_dim + 2)},
@@ -576,9 +583,13 @@ void launch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous
 // block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (>= 1)
 // out: [num_seqs, num_heads, head_dim], written in place
+// window: sliding-window attention (0: none): a row of length n attends its last
+// min(n, window) tokens (keys p - window + 1 .. p for the query at position p = n - 1)
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, double scale, at::Tensor out) {
+                            const at::Tensor& seq_lens, double scale, at::Tensor out,
+                            int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3, "q and out must be [num_seqs, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
@@ -596,14 +607,17 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
               "q, caches and out must share a dtype");
   if (q.size(0) == 0) return;
   if (q.scalar_type() == at::kFloat) {
-    launch<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    launch<float>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window);
   } else if (q.scalar_type() == at::kBFloat16) {
-    launch<bf16>(q, k_cache, v_cache, block_table, seq_lens, scale, out);
+    launch<bf16>(q, k_cache, v_cache, block_table, seq_lens, scale, out, window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_table"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+        pybind11::arg("out"), pybind11::arg("window") = 0);
 }
