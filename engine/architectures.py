@@ -84,7 +84,14 @@ def rope_from_hf(raw: Raw) -> RopeConfig:
     params.update({k: v for k, v in scaling.items() if k not in params})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = str(params.pop("rope_type", params.pop("type", "default")))
-    return RopeConfig(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())))
+    if rope_type in ("longrope", "su"):  # Phi-3's: its lengths live at the config's top level
+        rope_type = "longrope"
+        for key in ("original_max_position_embeddings", "max_position_embeddings"):
+            if key not in params and key in raw:
+                params[key] = raw[key]
+    # lists (longrope's per-frequency factors) as tuples: the config stays hashable
+    items = ((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items())
+    return RopeConfig(theta=theta, rope_type=rope_type, params=tuple(sorted(items)))
 
 
 def _mixtral(raw: Raw, layers: int) -> dict[str, Any]:

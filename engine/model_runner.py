@@ -103,8 +103,9 @@ class ModelRunner:
         softcap = model_config.gemma is not None and model_config.gemma.attention_softcap
         if (any(model_config.layer_windows) or softcap) and not self.attention.supports_window:
             raise ValueError(f"this model has sliding-window layers or soft-capped attention, "
-                             f"which the {self.attention.name!r} attention backend does not do "
-                             "yet: use --attention-backend torch")
+                             f"which the {self.attention.name!r} attention backend runs only "
+                             "once a GPU run has proved them: use --attention-backend torch, "
+                             "or set PDSERVE_TRITON_WINDOWS=1 to try the Triton kernel's")
         self.sampler = Sampler()
         self.grammars = GrammarBook(model_path, model_config.vocab_size)
         # the penalties' token counts, per request on the device (engine.token_counts)

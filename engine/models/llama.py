@@ -21,8 +21,10 @@ from engine.models.moe import MoEMLP
 from engine.tensor_parallel import ShardPlan, TPGroup
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the attention scaling factor for the checkpoint's rope type."""
+def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int
+                  ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for the checkpoint's rope type
+    (`max_positions`: the engine's longest sequence, which picks longrope's factors)."""
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"partial_rotary_factor {rope.get('partial_rotary_factor')} is not "
                          "supported: RoPE rotates whole heads here")
@@ -34,9 +36,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]
         return inv_freq / float(rope.get("factor")), 1.0
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope), 1.0
+    if rope.rope_type == "longrope":
+        return _longrope_inv_freq(inv_freq, rope, max_positions)
     raise ValueError(
-        f"unsupported rope_type {rope.rope_type!r}; supported: default, linear, llama3"
+        f"unsupported rope_type {rope.rope_type!r}; supported: default, linear, llama3, longrope"
     )
+
+
+def _longrope_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int
+                       ) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: every frequency divided by its own factor — the long ones where the
+    engine serves sequences past the pretraining length, else the short ones — and cos/sin
+    scaled by the attention factor. One set for every position, fixed at start (as vLLM does):
+    KV computed under one set stays valid as a sequence grows, where transformers switches
+    sets in mid-sequence once it passes the pretraining length."""
+    original = int(rope.get("original_max_position_embeddings"))
+    factors = rope.get("long_factor" if max_positions > original else "short_factor")
+    if factors is None or len(factors) != inv_freq.numel():
+        raise ValueError(f"longrope needs short_factor and long_factor of {inv_freq.numel()} "
+                         f"values each (one per rotated frequency)")
+    factor = rope.get("factor")
+    if factor is None:
+        factor = float(rope.get("max_position_embeddings", original)) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -57,7 +82,7 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
                  device: torch.device):
-        inv_freq, scaling = rope_inv_freq(rope, head_dim)
+        inv_freq, scaling = rope_inv_freq(rope, head_dim, max_positions)
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
