@@ -1,39 +1,58 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, and the
 token's output is their SwiGLU outputs weighted by the router's probabilities.
 
-The CPU path here groups tokens by expert (one pair of matmuls per expert that has tokens), in the
-order transformers sums them, so float32 output is token-identical to it. Expert weights are
-stacked per layer — gate/up [E, 2 I, H] and down [E, H, I] — with I this rank's share under tensor
-parallelism (each expert split like a dense MLP; the layer's all-reduce after the MLP sums the
-shares), so the expert dimension stays whole and ready to be sharded instead (expert
-parallelism)."""
+Two ways to run the experts, one result:
+- `grouped` (the default): the (token, expert) pairs sorted by expert once, so each expert's rows
+  are one contiguous slice of one gather — a pair of matmuls per expert that has tokens — and one
+  scatter-add brings every weighted output back, in the order transformers sums them (expert by
+  expert), so float32 output is token-identical to it;
+- `loop`: the same matmuls found expert by expert (`torch.where` per expert, an add per expert):
+  the reference the grouped path is measured and tested against;
+- `triton` (PDSERVE_TRITON_MOE=1; engine.models.fused_moe): the sorted pairs through grouped-GEMM
+  Triton kernels — tested under Triton's interpreter, not yet on a GPU.
+
+Expert weights are stacked per layer — gate/up [E, 2 I, H] and down [E, H, I] — with I this
+rank's share under tensor parallelism (each expert split like a dense MLP; the layer's
+all-reduce after the MLP sums the shares), so the expert dimension stays whole and ready to be
+sharded instead (expert parallelism)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import MoEConfig
 
+BACKENDS = ("grouped", "loop", "triton")
+
+
+def default_backend() -> str:
+    return "triton" if os.environ.get("PDSERVE_TRITON_MOE") == "1" else "grouped"
+
 
 class MoEMLP:
     def __init__(self, config: MoEConfig, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor):
+                 down: torch.Tensor, backend: str | None = None):
         self.config = config
         self.router = router  # [E, H]
         self.gate_up = gate_up  # [E, 2 I, H]: gate rows, then up rows
         self.down = down  # [E, H, I]
+        self.backend = backend or default_backend()
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoE backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.backend!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
-        out = torch.zeros_like(x)
-        hit = torch.unique(experts).tolist()  # only experts some token chose
-        for expert in hit:
-            token, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out
+        if self.backend == "loop":
+            return self.per_expert_loop(x, weights, experts)
+        if self.backend == "triton":
+            from engine.models.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up, self.down, weights, experts)
+        return self.grouped(x, weights, experts)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts and their weights ([T, k] each), as transformers routes:
@@ -43,3 +62,41 @@ class MoEMLP:
         if self.config.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                ) -> torch.Tensor:
+        """The pairs sorted by expert (stable: tokens in order within an expert, as the loop
+        takes them), one gather, a pair of matmuls per expert on its slice; each token's rows
+        then added one by one in ascending expert order, as the loop (and transformers) adds
+        them — the same roundings in bfloat16 too."""
+        tokens, k = experts.shape
+        experts, slots = torch.sort(experts, dim=-1)
+        weights = weights.gather(1, slots)
+        order = torch.argsort(experts.flatten(), stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.gate_up.shape[0]).tolist()
+        rows = x.index_select(0, order // k)
+        outputs = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                end = start + count
+                gate, up = F.linear(rows[start:end], self.gate_up[expert]).chunk(2, dim=-1)
+                outputs[start:end] = F.linear(F.silu(gate) * up, self.down[expert])
+                start = end
+        outputs *= weights.flatten().index_select(0, order).unsqueeze(1)
+        by_token = torch.empty_like(outputs).index_copy_(0, order, outputs).view(tokens, k, -1)
+        out = by_token[:, 0].clone()
+        for slot in range(1, k):
+            out += by_token[:, slot]
+        return out
+
+    def per_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                        ) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        hit = torch.unique(experts).tolist()  # only experts some token chose
+        for expert in hit:
+            token, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[token], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
