@@ -7,7 +7,7 @@ refused when the config is read, naming it and what is supported."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import GemmaTraits, ModelPathError, MoEConfig, RopeConfig
@@ -43,7 +43,8 @@ def family_fields(raw: Raw, family: Family, layers: int, source: str) -> dict[st
     window = int(window) if window else None
     fields = {"rope": rope_from_hf(raw), "qk_norm": family.qk_norm,
               "fused_checkpoint": family.fused_checkpoint,
-              "attention_bias": bool(raw.get("attention_bias", family.attention_bias)),
+              "attention_bias": bool(raw.get("attention_bias",
+                                             raw.get("qkv_bias", family.attention_bias))),
               "sliding_window": window,
               "layer_windows": _layer_windows(raw, family, window, layers, source)}
     if family.extra is not None:
@@ -116,6 +117,15 @@ def _qwen3_moe(raw: Raw, layers: int) -> dict[str, Any]:
                                             for i in range(layers))}
 
 
+def _qwen2_moe(raw: Raw, layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's layout of mixtures, each with a shared expert every token also takes."""
+    fields = _qwen3_moe(raw, layers)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    if fields and shared:
+        fields["moe"] = replace(fields["moe"], shared_intermediate_size=shared)
+    return fields
+
+
 def _gemma(raw: Raw, layers: int) -> dict[str, Any]:
     """Gemma 2 and 3: one set of traits; Gemma 2 soft-caps attention scores and rotates every
     layer alike, Gemma 3 gives its sliding layers their own RoPE base."""
@@ -143,6 +153,8 @@ ARCHITECTURES: dict[str, Family] = {
     "Phi3ForCausalLM": Family(fused_checkpoint=True),
     "MixtralForCausalLM": Family(extra=_mixtral),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, window_needs_flag=True, extra=_qwen3_moe),
+    "Qwen2MoeForCausalLM": Family(attention_bias=True, window_needs_flag=True,
+                                  extra=_qwen2_moe),
     "Gemma2ForCausalLM": Family(extra=_gemma),
     "Gemma3ForCausalLM": Family(qk_norm=True, extra=_gemma),
 }

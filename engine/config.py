@@ -34,14 +34,20 @@ class RopeConfig:
 class MoEConfig:
     """A mixture-of-experts MLP (engine.models.moe): `experts_per_token` of `num_experts`
     SwiGLU experts of `intermediate_size` each, weighted by the router's probabilities
-    (renormalised over the chosen ones where `normalize_top_k`)."""
+    (renormalised over the chosen ones where `normalize_top_k`); with a shared expert of
+    `shared_intermediate_size` (0: none; Qwen2-MoE) every token also gets, scaled by the sigmoid
+    of its own gate."""
 
     num_experts: int
     experts_per_token: int
     intermediate_size: int
     normalize_top_k: bool
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.shared_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be >= 0, got "
+                             f"{self.shared_intermediate_size}")
         if self.num_experts < 1 or self.intermediate_size < 1:
             raise ValueError(f"a mixture of experts needs >= 1 expert of >= 1 width, got "
                              f"{self.num_experts} of {self.intermediate_size}")

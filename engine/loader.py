@@ -211,8 +211,28 @@ def _experts(reader: CheckpointReader, p: str, config: ModelConfig, shard: Shard
                            for i in range(moe.num_experts)])
     down = torch.stack([reader.get(f"{e}{i}.{down_n}.weight", None, share)
                         for i in range(moe.num_experts)])
-    return {p + "router": put(router), p + "experts_gate_up": put(gate_up),
-            p + "experts_down": put(down)}
+    out = {p + "router": put(router), p + "experts_gate_up": put(gate_up),
+           p + "experts_down": put(down)}
+    if moe.shared_intermediate_size:
+        out.update(_shared_expert(reader, f"{p}{block}.", moe.shared_intermediate_size, shard,
+                                  put, p))
+    return out
+
+
+def _shared_expert(reader: CheckpointReader, block: str, size: int, shard: ShardPlan | None,
+                   put: Callable[[torch.Tensor], torch.Tensor], p: str) -> dict[str, torch.Tensor]:
+    """Qwen2-MoE's shared expert (split like a dense MLP under tensor parallelism) and its
+    gate (one row, whole on every rank: sigmoid(gate . x) scales each rank's share alike)."""
+    share = range(size) if shard is None else split(size, shard.rank, shard.size)
+    if not share:
+        raise ValueError(f"tensor_parallel_size {shard.size} is more than the shared expert's "
+                         f"width {size}: a rank would hold nothing of it")
+    e = f"{block}shared_expert."
+    gate_up = torch.cat([reader.get(f"{e}gate_proj.weight", share),
+                         reader.get(f"{e}up_proj.weight", share)])
+    return {p + "shared_gate_up": put(gate_up),
+            p + "shared_down": put(reader.get(f"{e}down_proj.weight", None, share)),
+            p + "shared_gate": put(reader.get(f"{block}shared_expert_gate.weight"))}
 
 
 def _fused_qkv(reader: CheckpointReader, name: str, config: ModelConfig,

@@ -125,8 +125,10 @@ class DecoderLayer:
         self.moe = None  # a mixture of experts instead of the dense MLP (Mixtral, Qwen3-MoE)
         self.gelu = config.gemma is not None  # GELU-tanh (Gemma), else SiLU
         if "router" in weights:
+            shared = (weights["shared_gate_up"], weights["shared_down"], weights["shared_gate"]) \
+                if "shared_gate" in weights else None
             self.moe = MoEMLP(config.moe, weights["router"], weights["experts_gate_up"],
-                              weights["experts_down"])
+                              weights["experts_down"], shared=shared)
         else:
             self.gate_up_proj = Linear(weights["gate_up_weight"])
             self.down_proj = Linear(weights["down_weight"])

@@ -34,11 +34,15 @@ def default_backend() -> str:
 
 class MoEMLP:
     def __init__(self, config: MoEConfig, router: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor, backend: str | None = None):
+                 down: torch.Tensor, backend: str | None = None,
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """`shared`: Qwen2-MoE's shared expert — gate/up [2 Is, H], down [H, Is] — and its
+        gate [1, H]."""
         self.config = config
         self.router = router  # [E, H]
         self.gate_up = gate_up  # [E, 2 I, H]: gate rows, then up rows
         self.down = down  # [E, H, I]
+        self.shared = shared
         self.backend = backend or default_backend()
         if self.backend not in BACKENDS:
             raise ValueError(f"MoE backend must be one of {', '.join(BACKENDS)}, got "
@@ -47,12 +51,18 @@ class MoEMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         if self.backend == "loop":
-            return self.per_expert_loop(x, weights, experts)
-        if self.backend == "triton":
+            out = self.per_expert_loop(x, weights, experts)
+        elif self.backend == "triton":
             from engine.models.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up, self.down, weights, experts)
-        return self.grouped(x, weights, experts)
+            out = fused_moe(x, self.gate_up, self.down, weights, experts)
+        else:
+            out = self.grouped(x, weights, experts)
+        if self.shared is None:
+            return out
+        gate_up, down, gate = self.shared  # as transformers: the routed sum, then the shared
+        g, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return out + torch.sigmoid(F.linear(x, gate)) * F.linear(F.silu(g) * up, down)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts and their weights ([T, k] each), as transformers routes:

@@ -1,6 +1,7 @@
 """The model families beyond Llama through everything the engine and the cluster do: tiny random
 Qwen3 (per-head q/k RMSNorm), Phi-3 (fused qkv and gate/up weights), Mistral with a sliding window,
-Qwen2 with sliding and full layers mixed, and the mixtures of experts Mixtral and Qwen3-MoE —
+Qwen2 with sliding and full layers mixed, and the mixtures of experts Mixtral, Qwen3-MoE and
+Qwen2-MoE (a shared expert beside the routed ones) —
 checkpoints built with transformers' own config classes, against transformers' greedy output: in
 the engine under chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel
 ranks, and through a 1P+1D cluster over the dist transport."""
@@ -34,6 +35,12 @@ FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
             "qwen3-moe": ("Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                   "moe_intermediate_size": 48,
                                                   "norm_topk_prob": True, "head_dim": 32,
+                                                  "mlp_only_layers": [0]}),
+            # Qwen2-MoE: a shared expert beside the routed ones, its sigmoid gate; q/k/v bias;
+            # the top k not renormalised
+            "qwen2-moe": ("Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "moe_intermediate_size": 48,
+                                                  "shared_expert_intermediate_size": 64,
                                                   "mlp_only_layers": [0]}),
             # Gemma 3: sandwich norms, GELU-tanh, scaled embeddings, q/k norms, a sliding layer
             # with its own RoPE base and a global one, soft-capped logits

@@ -49,6 +49,12 @@ def test_which_layers_are_mixtures_of_experts():
                    moe_intermediate_size=32, mlp_only_layers=[0], decoder_sparse_step=1)
     assert qwen3.moe_layers == (False, True, True, True) and not qwen3.moe.normalize_top_k
     assert qwen3.moe.intermediate_size == 32 and qwen3.qk_norm
+    qwen2 = config(architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    assert qwen2.moe.shared_intermediate_size == 24 and qwen2.attention_bias  # qkv_bias: True
+    assert qwen3.moe.shared_intermediate_size == 0
+    assert not config(architectures=["Qwen2MoeForCausalLM"], num_experts=4, qkv_bias=False,
+                      num_experts_per_tok=2, moe_intermediate_size=16).attention_bias
     every_other = config(architectures=["Qwen3MoeForCausalLM"], num_local_experts=4,
                          num_experts_per_tok=1, moe_intermediate_size=8, decoder_sparse_step=2)
     assert every_other.moe_layers == (False, True, False, True)
