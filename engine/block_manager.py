@@ -75,6 +75,7 @@ class BlockManager:
         self.prefix_version = 0  # changes whenever the set of cached keys does
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
+        self.released_early = 0  # blocks requests let go of once every window had passed them
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -188,17 +189,38 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release every block of the request. Tail blocks are freed first so that, among the
         request's cached blocks, the prefix is evicted last."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise RuntimeError(f"block {block_id} freed more often than taken")
-            if block.ref_count == 0:
-                self._evictable[block_id] = None
-                if block.hash is None:
-                    self._evictable.move_to_end(block_id, last=False)
+        for block_id in reversed(request.block_ids[request.num_released_blocks:]):
+            self._unref(block_id)
         request.block_ids.clear()
         request._block_hashes.clear()
+        request.num_released_blocks = 0
+
+    def release_before(self, request: Request, upto: int) -> int:
+        """Let go of the request's blocks before index `upto`, which no step will read again
+        (every layer's sliding window has passed them). Only blocks whose hash is published
+        (their KV complete) go; their ids stay in `block_ids` so positions keep their index —
+        the attention kernels never read them (they start at the window), and another request
+        may take them. Returns how many were released."""
+        if self.enable_prefix_caching:
+            upto = min(upto, len(request._block_hashes))
+        upto = min(upto, len(request.block_ids))
+        released = 0
+        for index in range(request.num_released_blocks, upto):
+            self._unref(request.block_ids[index])
+            released += 1
+        request.num_released_blocks = max(request.num_released_blocks, upto)
+        self.released_early += released
+        return released
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} freed more often than taken")
+        if block.ref_count == 0:
+            self._evictable[block_id] = None
+            if block.hash is None:
+                self._evictable.move_to_end(block_id, last=False)
 
     def check_integrity(self, holders: Sequence[Request]) -> None:
         """Raise AssertionError unless free + cached + used == total and every ref count equals
@@ -207,7 +229,7 @@ class BlockManager:
         assert usage.total == self.num_blocks, f"{usage} does not add up to {self.num_blocks}"
         counts = [0] * self.num_blocks
         for request in holders:
-            for block_id in request.block_ids:
+            for block_id in request.block_ids[request.num_released_blocks:]:
                 counts[block_id] += 1
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (

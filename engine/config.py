@@ -116,6 +116,15 @@ class ModelConfig:
                 f"({self.num_kv_heads})"
             )
 
+    @property
+    def release_window(self) -> int | None:
+        """The widest window when every layer slides: KV before every window can be let go
+        (a model with any full-attention layer keeps its whole context)."""
+        windows = self.layer_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(w for w in windows if w is not None)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
@@ -226,6 +235,10 @@ class SchedulerConfig:
     prefill_chunk_size: int | None = None
     queue_policy: str = "fcfs"
     queue_age_bound_s: float = 4.0
+    # A model whose every layer slides: decoding requests let go of the blocks every window has
+    # passed. Off where a request's blocks leave whole after its prompt (a prefill worker ships
+    # them to a decode worker).
+    release_passed_blocks: bool = True
 
     QUEUE_POLICIES = ("fcfs", "short_first")
 

@@ -60,7 +60,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)
         sched = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched, self.block_manager)
+        self.scheduler = Scheduler(sched, self.block_manager,
+                                   release_window=self.model_config.release_window)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

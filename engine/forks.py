@@ -60,8 +60,8 @@ class ForkSources:
         if count <= 0 or request.request_id in self._sources:
             return
         num_blocks = self.block_manager.blocks_needed(request.num_prompt_tokens)
-        if len(request.block_ids) < num_blocks:
-            return
+        if len(request.block_ids) < num_blocks or request.num_released_blocks:
+            return  # (a released block may be another request's by now)
         holder = Request(f"{request.request_id}#fork-source", request.prompt_token_ids,
                          request.params)
         self.block_manager.share(holder, request.block_ids[:num_blocks])

@@ -228,6 +228,9 @@ class Request:
     # before it (position 0 has none); filled as the prompt's chunks compute
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # block_ids[:num_released_blocks] are no longer held (every layer's sliding window has
+    # passed them: BlockManager.release_before); their ids stay so positions keep their index
+    num_released_blocks: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # its first step began (the end of its queueing)
     first_token_time: float | None = None

@@ -69,8 +69,11 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, release_window: int | None = None):
+        """`release_window`: a model whose every layer slides (the widest window): running
+        requests let go of the blocks every window has passed (`_release_passed`)."""
         self.config = config
+        self.release_window = release_window
         # The one clock for request ages and finish times: Request.arrival_time is time.monotonic
         # by default, and tests pass their own clock (and arrival times) to control ages.
         self.clock = clock
@@ -335,8 +338,24 @@ class Scheduler:
             stop = request.check_stop(text)
             if stop:
                 self.finish(request, request.finish_reason or FinishReason.STOP)
+            elif self.release_window is not None and self.config.release_passed_blocks:
+                self._release_passed(request, self.release_window)
             updates.append(RequestUpdate(request, [token], text, stop))
         return updates
+
+    def _release_passed(self, request: Request, window: int) -> None:
+        """A decoding request's blocks wholly before every future query's window go back to the
+        pool. Under async scheduling the next step (up to a step's budget of this request's
+        positions) may already run: its queries see keys from its first position - window + 1
+        on, so the margin is the step budget. A prompt its samples fork from is held apart
+        (engine.forks took its own references when the prompt was computed, before this)."""
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return
+        bm = self.block_manager
+        first_needed = request.num_computed_tokens - self.config.max_num_batched_tokens \
+            - window + 1
+        if first_needed > 0:
+            bm.release_before(request, first_needed // bm.block_size)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:

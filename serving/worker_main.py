@@ -92,7 +92,8 @@ def build_engine(options: WorkerOptions, rank_launcher: RankLauncher | None = No
     scheduler = SchedulerConfig.for_device(
         options.device, max_num_batched_tokens=options.max_num_batched_tokens,
         queue_policy=options.queue_policy, queue_age_bound_s=options.queue_age_bound_s,
-        prefill_chunk_size=options.chunk_size)
+        prefill_chunk_size=options.chunk_size,
+        release_passed_blocks=options.role != "prefill")  # its prompts' blocks ship whole
     config = EngineConfig(model=options.model, dtype=options.dtype, cache=cache,
                           scheduler=scheduler, device=options.device,
                           cuda_graphs=options.cuda_graphs,

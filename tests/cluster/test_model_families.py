@@ -4,7 +4,7 @@ Qwen2 with sliding and full layers mixed, and the mixtures of experts Mixtral, Q
 Qwen2-MoE (a shared expert beside the routed ones) —
 checkpoints built with transformers' own config classes, against transformers' greedy output: in
 the engine under chunked prefill of 16, preemption and prefix hits, split over 2 tensor-parallel
-ranks, and through a 1P+1D cluster over the dist transport."""
+ranks, under async scheduling, and through a 1P+1D cluster over each transport."""
 
 from __future__ import annotations
 
@@ -90,13 +90,16 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [done[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_family_in_the_engine_equals_transformers(model_dir, prompts, expected, tp):
+@pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (1, True)],
+                         ids=["tp1", "tp2", "async"])
+def test_the_family_in_the_engine_equals_transformers(model_dir, prompts, expected, tp,
+                                                      async_scheduling):
     """Chunks of 16 and a cache small enough to preempt; TP 2 splits the 4 query heads over 2
-    KV heads, one each (Phi-3's fused weights read as each rank's rows of every part)."""
+    KV heads, one each (Phi-3's fused weights read as each rank's rows of every part); async
+    scheduling prepares step N+1 while step N runs."""
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), dtype="float32", tensor_parallel_size=tp,
-        cache=CacheConfig(block_size=16, num_blocks=14),
+        async_scheduling=async_scheduling, cache=CacheConfig(block_size=16, num_blocks=14),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                   prefill_chunk_size=16)))
     try:
@@ -107,9 +110,11 @@ def test_the_family_in_the_engine_equals_transformers(model_dir, prompts, expect
         engine.close()
 
 
-def test_the_family_through_a_disaggregated_cluster(tmp_path, model_dir, prompts, expected):
+@pytest.mark.parametrize("transport", ["shared", "dist"])
+def test_the_family_through_a_disaggregated_cluster(tmp_path, model_dir, prompts, expected,
+                                                    transport):
     with start_cluster(tmp_path, prefill=1, decode=1, model=str(model_dir), dtype="float32",
-                       kv_transport="dist", router_args=("--local-prefill", "off")) as cluster:
+                       kv_transport=transport, router_args=("--local-prefill", "off")) as cluster:
         got = stream_all(cluster.address, prompts, concurrency=len(prompts))
         assert [g[:MAX_TOKENS] for g in got] == expected
         assert all(w.free_blocks == w.total_blocks for w in wait_blocks_free(cluster))

@@ -3,7 +3,14 @@ from __future__ import annotations
 import random
 
 from engine.request import FinishReason, RequestStatus
-from tests.unit.fakes import expected_output, make_request, make_scheduler, run_all, step
+from tests.unit.fakes import (
+    expected_output,
+    fake_execute,
+    make_request,
+    make_scheduler,
+    run_all,
+    step,
+)
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -242,3 +249,68 @@ def test_prompts_asking_for_logprobs_share_one_steps_worth_of_logit_rows():
 def scheduler_output(steps: list, rid: str) -> list[int]:
     request = next(s.request for out in steps for s in out.scheduled if s.request.request_id == rid)
     return request.output_token_ids
+
+
+def _sliding(release: bool = True, **kw: object):  # noqa: ANN202 - a Scheduler
+    from engine.block_manager import BlockManager
+    from engine.config import SchedulerConfig
+    from engine.scheduler import Scheduler
+
+    config = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=4096,
+                             release_passed_blocks=release)
+    return Scheduler(config, BlockManager(kw.get("num_blocks", 64), 4), release_window=6)
+
+
+def test_a_sliding_only_model_lets_go_of_the_blocks_every_window_has_passed():
+    """Window 6, a step budget of 8, blocks of 4: once decoding, a request holds only the blocks
+    from (computed - 8 - 6 + 1) on; released ids stay in place; the output is unchanged."""
+    s = _sliding()
+    r = make_request("a", prompt(20), max_tokens=40)
+    s.add(r)
+    while len(r.output_token_ids) < 30:
+        step(s)
+        first_needed = r.num_computed_tokens - 8 - 6 + 1
+        if len(r.output_token_ids) > 1 and first_needed > 0:
+            assert r.num_released_blocks == first_needed // 4
+        held = len(r.block_ids) - r.num_released_blocks
+        assert s.block_manager.usage().used == held
+    assert r.num_released_blocks > 5 and len(r.block_ids) == -(-r.num_computed_tokens // 4)
+    run_all(s)
+    assert r.output_token_ids == expected_output(prompt(20), 40)
+    assert s.block_manager.usage().used == 0  # freeing skips what was released
+
+
+def test_released_blocks_serve_others_and_a_preempted_request_starts_whole():
+    """Four blocks for two requests: with release the pair fits where it would preempt; a
+    preemption after releases frees only what is held."""
+    s = _sliding(num_blocks=12)
+    a, b = make_request("a", prompt(10, 1), max_tokens=30), make_request("b", prompt(10, 2), 30)
+    s.add(a)
+    s.add(b)
+    run_all(s)
+    assert a.output_token_ids == expected_output(prompt(10, 1), 30)
+    assert b.output_token_ids == expected_output(prompt(10, 2), 30)
+    assert s.num_preemptions == 0
+    keep = _sliding(release=False, num_blocks=12)
+    a2, b2 = make_request("a", prompt(10, 1), max_tokens=30), make_request("b", prompt(10, 2), 30)
+    keep.add(a2)
+    keep.add(b2)
+    run_all(keep)
+    assert keep.num_preemptions > 0 and a2.num_released_blocks == 0
+    assert a2.output_token_ids == a.output_token_ids
+
+
+def test_a_prompt_held_for_its_samples_stays_held_while_its_request_lets_go():
+    """The prompt's blocks are held apart for the samples that will fork (engine.forks) when it
+    is computed: the request's own releases later leave them held."""
+    s = _sliding()
+    r = make_request("a", prompt(20), max_tokens=30)
+    r.forks_expected = 1
+    s.add(r)
+    for _ in range(25):
+        out = s.schedule()
+        s.update(out, fake_execute(out))
+        s.block_manager.check_integrity(s.block_holders())  # the held prompt's holder too
+    (holder,) = s.forks.holders()
+    assert r.num_released_blocks > 0 and holder.block_ids == r.block_ids[:5]
+    assert all(s.block_manager.blocks[b].ref_count == 1 for b in holder.block_ids)
