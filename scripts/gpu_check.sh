@@ -77,7 +77,8 @@ run_stage() {  # name, command...
 # cryptography) a GPU machine may lack.
 ENGINE_TESTS="tests/gpu/test_engine_on_cuda.py tests/engine/test_decode_graphs.py
   tests/engine/test_triton_attention.py tests/engine/test_fused_kernels.py
-  tests/engine/test_async_scheduling.py tests/engine/test_attention_warmup.py"
+  tests/engine/test_async_scheduling.py tests/engine/test_attention_warmup.py
+  tests/engine/test_fused_moe.py"
 CLUSTER_TESTS="tests/gpu/test_cluster_on_cuda.py tests/cluster/test_shared_faults.py"
 wants() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ] || { [ "$STAGE" = tests ] && [[ $1 == tests-* ]]; }; }
 run_tests() {  # name, paths...
