@@ -57,7 +57,8 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_llama_dir, workload_p
 
 
 @pytest.mark.parametrize("change, refusal", [
-    ({"rope_type": "longrope"}, "unsupported rope_type 'longrope'"),
+    ({"rope_type": "yarn"}, "unsupported rope_type 'yarn'"),
+    ({"rope_type": "longrope"}, "longrope needs short_factor and long_factor of 8 values"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
 ])
 def test_what_the_engine_cannot_run_is_refused_at_load(change, refusal, tmp_path,
