@@ -45,27 +45,25 @@ def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch
     if device.type != "cpu" or not shareable:
         tensor = torch.zeros(shape, dtype=dtype, device=device)
         return KVBuffer(tensor, list(tensor.unbind(0)))
-    num_bytes = math.prod(shape) * dtype.itemsize
     fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, num_bytes)  # a fresh memfd reads as zeros
-        # Populated now, not page by page inside the first requests' writes.
-        mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        os.ftruncate(fd, math.prod(shape) * dtype.itemsize)  # a fresh memfd reads as zeros
     except OSError:
         os.close(fd)
         raise
-    tensor = torch.frombuffer(mapping, dtype=dtype).view(shape)
-    return KVBuffer(tensor, list(tensor.unbind(0)), fd, mapping)
+    return map_kv_buffer(fd, shape, dtype)
 
 
 def map_kv_buffer(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> KVBuffer:
-    """Map another process's shareable CPU cache (its memfd, received over a socket) into this
-    one; the buffer keeps the fd, so this process can export it in turn."""
+    """Map a shareable CPU cache (our own new memfd, or another process's received over a
+    socket) into this process; the buffer keeps the fd, so this process can export it in turn.
+    The fd is closed if it cannot be mapped."""
     num_bytes = math.prod(shape) * dtype.itemsize
     try:
         if os.fstat(fd).st_size != num_bytes:
             raise ValueError(f"the cache's memfd holds {os.fstat(fd).st_size} bytes, a "
                              f"{shape} {dtype} cache is {num_bytes}")
+        # Populated now, not page by page inside the first requests' writes.
         mapping = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     except BaseException:
         os.close(fd)

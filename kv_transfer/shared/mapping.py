@@ -4,8 +4,6 @@ protocol is in kv_transfer.shared), and a writer's live mapping of a peer's cach
 from __future__ import annotations
 
 import json
-import math
-import mmap
 import os
 import pickle
 import select
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_memory import KVBuffer, KVShards
+from engine.kv_memory import KVBuffer, KVShards, map_kv_buffer
 
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_RANKS = 64  # the most rank buffers (file descriptors) one export hands over
@@ -105,10 +103,13 @@ def _open_cache(header: dict, fds: list[int], conn: socket.socket) -> tuple[KVSh
         try:
             if len(fds) != len(shards):
                 raise ValueError(f"expected {len(shards)} file descriptors, got {len(fds)}")
-            buffers = [_map_shard(fd, shape, dtype) for fd, (shape, _) in zip(fds, shards)]
+            buffers = [map_kv_buffer(os.dup(fd), shape, dtype)
+                       for fd, (shape, _) in zip(fds, shards)]
         finally:
             for fd in fds:
-                os.close(fd)  # the mappings keep the memory
+                os.close(fd)
+        for buffer in buffers:
+            buffer.release()  # the mappings keep the memory; we export nothing of a peer's
         return KVShards(tuple(buffers), heads, num_kv_heads), buffers
     if kind == "cuda-ipc":
         buffers = []
@@ -121,18 +122,6 @@ def _open_cache(header: dict, fds: list[int], conn: socket.socket) -> tuple[KVSh
             buffers.append(KVBuffer(tensor, list(tensor.unbind(0))))
         return KVShards(tuple(buffers), heads, num_kv_heads), None
     raise ValueError(f"unknown export kind {kind!r}")
-
-
-def _map_shard(fd: int, shape: tuple[int, ...], dtype: torch.dtype) -> KVBuffer:
-    """One rank's buffer of the peer's cache, mapped here: its memfd must hold exactly it."""
-    num_bytes = math.prod(shape) * dtype.itemsize
-    if os.fstat(fd).st_size != num_bytes:
-        raise ValueError(f"a {shape} {dtype} buffer is {num_bytes} bytes, its memfd holds "
-                         f"{os.fstat(fd).st_size}")
-    # MAP_POPULATE: every page now, not one fault at a time inside the first writes.
-    mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    tensor = torch.frombuffer(mapped, dtype=dtype).view(shape)
-    return KVBuffer(tensor, list(tensor.unbind(0)), None, mapped)
 
 
 def _local_gpu_index(device: str) -> int:
