@@ -15,7 +15,7 @@ from engine.engine import LLMEngine
 from engine.request import SamplingParams
 from tests.cluster.cluster_helpers import start_cluster, stream_all, wait_blocks_free
 from tests.conftest import mixed_prompts, save_tiny_model
-from tests.engine.hf_reference import hf_greedy
+from tests.engine.hf_reference import engine_greedy, hf_greedy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
@@ -80,14 +80,9 @@ def expected(model_dir, prompts) -> list[list[int]]:
 
 
 def run(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=str(i))
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    outputs = engine_greedy(engine, prompts, MAX_TOKENS)
     assert engine.block_manager.usage().used == 0
-    return [done[str(i)] for i in range(len(prompts))]
+    return outputs
 
 
 @pytest.mark.parametrize(("tp", "async_scheduling"), [(1, False), (2, False), (1, True)],

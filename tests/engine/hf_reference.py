@@ -23,3 +23,17 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
                                  do_sample=False, pad_token_id=2)
             outputs.append(out[0, len(ids):].tolist())
     return outputs
+
+
+def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: ANN001 - an LLMEngine
+    """The engine's greedy tokens for every prompt, all added at once and stepped to the end
+    (what each family's test compares with `hf_greedy`)."""
+    from engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    return [done[str(i)] for i in range(len(prompts))]

@@ -63,8 +63,8 @@ def test_the_engine_with_the_triton_experts_equals_the_default_path(
         monkeypatch, tmp_path, default_model_dir, workload_prompts):
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
-    from engine.request import SamplingParams
     from tests.conftest import save_tiny_model
+    from tests.engine.hf_reference import engine_greedy
 
     model = save_tiny_model(tmp_path / "mixtral", "MixtralForCausalLM", default_model_dir,
                             seed=5, num_local_experts=4, num_experts_per_tok=2)
@@ -73,14 +73,8 @@ def test_the_engine_with_the_triton_experts_equals_the_default_path(
     def greedy() -> list[list[int]]:
         engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device=DEVICE,
                                         cache=CacheConfig(block_size=16, num_blocks=32)))
-        for i, prompt in enumerate(prompts):
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4),
-                               request_id=str(i))
-        done: dict[str, list[int]] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
         assert engine.runner.model.layers[0].moe.backend == backend
-        return [done[str(i)] for i in range(len(prompts))]
+        return engine_greedy(engine, prompts, 4)
 
     backend = "grouped"
     expected = greedy()

@@ -14,9 +14,8 @@ import torch
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models.llama import rope_inv_freq
-from engine.request import SamplingParams
 from tests.conftest import save_tiny_model
-from tests.engine.hf_reference import hf_greedy
+from tests.engine.hf_reference import engine_greedy, hf_greedy
 
 ORIGINAL = 32  # the pretraining length
 MAX_TOKENS = 6
@@ -40,13 +39,7 @@ def greedy(model_dir, prompts: list[list[int]], max_model_len: int | None) -> li
         model=str(model_dir), dtype="float32", max_model_len=max_model_len,
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=16)))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=str(i))
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    return [done[str(i)] for i in range(len(prompts))]
+    return engine_greedy(engine, prompts, MAX_TOKENS)
 
 
 def test_the_factors_follow_the_served_length_and_the_attention_factor_scales(phi3_dir):

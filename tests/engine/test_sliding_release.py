@@ -9,9 +9,8 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from engine.request import SamplingParams
 from tests.conftest import save_tiny_model
-from tests.engine.hf_reference import hf_greedy
+from tests.engine.hf_reference import engine_greedy, hf_greedy
 
 MAX_TOKENS = 48
 
@@ -34,14 +33,9 @@ def run(model_dir, prompts: list[list[int]], release: bool, async_scheduling: bo
         cache=CacheConfig(block_size=16, num_blocks=16),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4,
                                   release_passed_blocks=release)))
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-                           request_id=str(i))
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    outputs = engine_greedy(engine, prompts, MAX_TOKENS)
     assert engine.block_manager.usage().used == 0
-    return [done[str(i)] for i in range(len(prompts))], engine
+    return outputs, engine
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
