@@ -1,9 +1,11 @@
-"""python -m router {serve,launch,client,plan} ...
+"""python -m router {serve,launch,client,plan,certs,drain} ...
 
   serve   run the router alone (workers join with --router ADDRESS)
   launch  run a whole local cluster: router + prefill + decode workers (Ctrl-C stops it)
   client  stream a generation from a running cluster
   plan    recommend the P:D split (and local prefill on/off) for a workload and an SLO
+  certs   write a throwaway CA and server certificate
+  drain   move a worker's running requests (with their KV) off it; place nothing new there
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_client_args(sub.add_parser("client", help="stream a generation"))
     _add_certs_args(sub.add_parser("certs", help="write a throwaway CA and server certificate"))
     _add_plan_args(sub.add_parser("plan", help="recommend a P:D split for a workload and SLO"))
+    _add_drain_args(sub.add_parser("drain", help="move a worker's running requests off it and "
+                                                 "place nothing new there"))
     return parser
 
 
@@ -112,6 +116,20 @@ def _add_client_args(client: argparse.ArgumentParser) -> None:
     client.add_argument("--tls-ca", default=None, help="the router's CA (a router with TLS)")
 
 
+def _add_drain_args(drain: argparse.ArgumentParser) -> None:
+    from security.tls import add_cluster_tls_args
+
+    drain.add_argument("worker_id", help="as `GetClusterStatus` (or the launch log) names it")
+    drain.add_argument("--undo", action="store_true", help="place requests on it again")
+    drain.add_argument("--router", default="127.0.0.1:50051",
+                       help="the router's address for workers (its --internal-port if it has "
+                            "one, else its --port)")
+    drain.add_argument("--cluster-token-file", default=None,
+                       help="the cluster's shared secret (else env PDSERVE_CLUSTER_TOKEN)")
+    drain.add_argument("--tls-ca", default=None, help="the router's CA (a router with TLS)")
+    add_cluster_tls_args(drain)
+
+
 def _add_certs_args(certs: argparse.ArgumentParser) -> None:
     certs.add_argument("--out", type=Path, required=True)
     certs.add_argument("--hosts", default="127.0.0.1,localhost",
@@ -183,6 +201,10 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
                              "(short_first: fewest prompt tokens, within the age bound)")
     parser.add_argument("--queue-age-bound-s", type=float, default=4.0,
                         help="short_first: a request queued longer than this goes first")
+    parser.add_argument("--rebalance-threshold", type=float, default=0.9,
+                        help="a decode worker whose KV cache is this full (used / total blocks) "
+                             "moves running requests' KV to workers with room instead of "
+                             "preempting one by recompute (0: never)")
     parser.add_argument("--default-timeout-s", type=float, default=600.0,
                         help="the deadline of a request whose client set none (gRPC without a "
                              "deadline, HTTP without X-Request-Timeout)")
@@ -190,9 +212,11 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
 
 def placement_options(args: argparse.Namespace) -> dict[str, object]:
     """RouterOptions fields from the placement flags (ValueError on bad values)."""
+    from router.policy.moves import RebalanceConfig
     from router.policy.prefill_site import PrefillSiteConfig
 
     return {"cache_aware": args.placement == "cache-aware",
+            "rebalance": RebalanceConfig(args.rebalance_threshold),
             "local_prefill": PrefillSiteConfig(args.local_prefill,
                                                args.local_prefill_max_tokens),
             "queue_policy": args.queue_policy, "queue_age_bound_s": args.queue_age_bound_s,
@@ -204,7 +228,8 @@ def placement_argv(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--placement", args.placement, "--local-prefill", args.local_prefill,
             "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
             "--queue-policy", args.queue_policy, "--queue-age-bound-s",
-            str(args.queue_age_bound_s), "--default-timeout-s", str(args.default_timeout_s))
+            str(args.queue_age_bound_s), "--default-timeout-s", str(args.default_timeout_s),
+            "--rebalance-threshold", str(args.rebalance_threshold))
 
 
 def launch_spec(args: argparse.Namespace) -> ClusterSpec:
@@ -288,6 +313,34 @@ def _client(args: argparse.Namespace) -> int:
                   read_ca(args.tls_ca))
 
 
+def _drain(args: argparse.Namespace) -> int:
+    """RouterAdmin.DrainWorker: the router stops placing on the worker and moves its running
+    requests' KV to other decode workers (its move trigger does, within a fraction of a
+    second)."""
+    import grpc
+
+    from common.grpc_server import internal_channel
+    from pdserve_proto import pdserve_pb2 as pb
+    from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+    from security import auth
+    from security.tls import ClusterTls, read_ca
+
+    auth.configure(auth.load_token(args.cluster_token_file),
+                   ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
+    with internal_channel(args.router, read_ca(args.tls_ca)) as channel:
+        try:
+            reply = pb_grpc.RouterAdminStub(channel).DrainWorker(
+                pb.DrainWorkerRequest(worker_id=args.worker_id, undo=args.undo), timeout=10.0)
+        except grpc.RpcError as exc:
+            print(f"drain {args.worker_id}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
+            return 1
+    state = "draining: its running requests move to other decode workers" \
+        if reply.draining else "taking requests"
+    print(f"{reply.worker_id}: {state} ({reply.running_streams} streaming from it now)")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from planner.plan import run_plan
 
@@ -301,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     from launch.gpus import GpuError
 
     command = {"serve": _serve, "launch": _launch, "certs": _certs, "plan": _plan,
-               "client": _client}[args.command]
+               "client": _client, "drain": _drain}[args.command]
     try:
         return command(args)
     except (ValueError, GpuError) as exc:  # bad flags or files: a usage error

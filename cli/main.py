@@ -1,8 +1,9 @@
 """`pdserve`: one command for everything the project runs, in the habit of `vllm serve`.
 
-  pdserve launch|serve|client|plan|certs ...    the cluster: a local cluster, the router alone,
+  pdserve launch|serve|client|plan|certs|drain  the cluster: a local cluster, the router alone,
                                                 a streaming client, the P:D planner, throwaway
-                                                certificates (the same as `python -m router ...`)
+                                                certificates, draining a worker (its running
+                                                requests move) (`python -m router ...`)
   pdserve prefill ... | pdserve decode ...      one worker (`python -m prefill_worker` or
                                                 `python -m decode_worker`)
   pdserve deploy up|status|down ...             the cluster on Ray (`python -m deploy`)
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-CLUSTER = ("launch", "serve", "client", "plan", "certs")
+CLUSTER = ("launch", "serve", "client", "plan", "certs", "drain")
 ENGINE = ("generate", "prepare-model", "build-kernels")
 
 

@@ -1,5 +1,6 @@
-"""The decode role as the worker bootstrap sees it: its worker with its KV receiver connectors,
-and the gRPC services (its own and those the connectors' control paths need)."""
+"""The decode role as the worker bootstrap sees it: its worker with its KV receiver connectors
+(and sender ones, for running requests that move to another decode worker), and the gRPC
+services (its own and those the connectors' control paths need)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from decode_worker.worker import DecodeWorker, no_receivers
 from engine.engine import LLMEngine
 from kv_transfer import KVReceiveConnector, ReservationBook
 from kv_transfer.connector import OnRefused
-from kv_transfer.connectors import receive_connectors
+from kv_transfer.connectors import receive_connectors, send_connectors
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.options import WorkerOptions, connector_options
 from serving.worker_main import WorkerRole
@@ -19,7 +20,11 @@ def decode_role(engine: LLMEngine, options: WorkerOptions) -> WorkerRole:
         return receive_connectors(connector_options(options), engine.runner.kv_shards, book,
                                   on_refused)
 
-    worker = DecodeWorker(engine, options, connect if options.role == "decode" else no_receivers)
+    if options.role == "decode":  # KV arrives from prefill workers, and moves between us
+        worker = DecodeWorker(engine, options, connect,
+                              send_connectors(connector_options(options), engine.runner.kv_shards))
+    else:
+        worker = DecodeWorker(engine, options, no_receivers)
     services = worker.kv_services()
 
     def add_services(server: object) -> None:

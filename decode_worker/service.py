@@ -14,8 +14,10 @@ from common.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from decode_worker.departures import Paused
 from decode_worker.worker import DecodeWorker, NoRoom
 from engine.engine import RequestOutput
+from kv_transfer import TransferDescriptor, TransferError
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.gate import QueueFull
@@ -50,7 +52,9 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         admission_s = 0.0
         try:
-            if request.HasField("first_token_id"):
+            if request.resume:
+                outputs = self.worker.resume(rid)
+            elif request.HasField("first_token_id"):
                 first_lp = (logprob_from_proto(request.first_logprob)
                             if request.HasField("first_logprob") else None)
                 admission_s, outputs = self.worker.admit(rid, request.first_token_id, first_lp,
@@ -69,10 +73,15 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
             self.gate.reject(context, "Decode", grpc.StatusCode.ABORTED, str(exc))
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
-        # the id is unknown and the abort is a no-op.
-        context.add_callback(lambda: self.worker.abort_later(rid))
+        # the id is unknown and the abort is a no-op. A paused request stays parked: it moves.
+        paused = False
+        context.add_callback(lambda: None if paused else self.worker.abort_later(rid))
         try:
             for i, output in enumerate(outputs):
+                if isinstance(output, Paused):
+                    paused = True
+                    yield pb.TokenChunk(paused=True)
+                    return
                 chunk = _chunk(output)
                 if i == 0:
                     chunk.admission_s = admission_s
@@ -85,6 +94,31 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.worker.abort(request.request_id))
+
+    def Pause(self, request: pb.PauseRequest, context: grpc.ServicerContext
+              ) -> pb.PauseResponse:
+        try:
+            paused = self.worker.pause(list(request.request_ids), request.lease_s)
+        except ValueError as exc:
+            self.gate.reject(context, "Pause", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.PauseResponse(paused=paused)
+
+    def MigrateOut(self, request: pb.MigrateOutRequest, context: grpc.ServicerContext
+                   ) -> pb.MigrateOutResponse:
+        try:
+            stats = self.worker.migrate_out(request.request_id, request.kv_transport,
+                                            TransferDescriptor.from_proto(request.transfer),
+                                            request.transfer_secret)
+        except KeyError as exc:
+            self.gate.reject(context, "MigrateOut", grpc.StatusCode.NOT_FOUND, str(exc.args[0]))
+        except ValueError as exc:
+            self.gate.reject(context, "MigrateOut", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (TransferError, TimeoutError) as exc:
+            self.gate.reject(context, "MigrateOut", grpc.StatusCode.ABORTED,
+                             f"moving the KV of {request.request_id} failed: {exc}")
+        return pb.MigrateOutResponse(kv_transfer_s=stats.seconds,
+                                     kv_transfer_bytes=stats.num_bytes,
+                                     kv_transport=stats.transport)
 
 
 def _chunk(output: RequestOutput) -> pb.TokenChunk:

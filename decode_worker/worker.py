@@ -1,6 +1,7 @@
 """The decode worker's policy over the shared engine loop: reservations under leases, KV arrival
-(through its receiver connectors and `arrivals`), admission into the running batch, and colocated
-generation. Every engine access runs on the loop thread (through `loop.call`); KV bytes land on
+(through its receiver connectors and `arrivals`), admission into the running batch, colocated
+generation, and running requests leaving with their KV (`departures`, through its sender
+connectors). Every engine access runs on the loop thread (through `loop.call`); KV bytes land on
 the connectors' threads, into reserved blocks only."""
 
 from __future__ import annotations
@@ -8,13 +9,21 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from decode_worker.arrivals import KVArrivals, num_cached_blocks
+from decode_worker.departures import Departures, Paused
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
-from kv_transfer import KVReceiveConnector, ReservationBook, TransferDescriptor
+from kv_transfer import (
+    KVReceiveConnector,
+    KVSendConnector,
+    ReservationBook,
+    Transfer,
+    TransferDescriptor,
+    TransferStats,
+)
 from kv_transfer.connector import GrpcService, OnRefused, receiver_identity
 from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
@@ -38,14 +47,19 @@ def no_receivers(book: ReservationBook, on_refused: OnRefused) -> list[KVReceive
 
 
 class DecodePolicy:
-    def __init__(self, table: ReservationTable):
+    def __init__(self, table: ReservationTable, departures: Departures,
+                 hand_over: Callable[[str, Paused], None]):
         self.table = table
+        self.departures = departures
+        self.hand_over = hand_over
 
     def before_step(self, engine: LLMEngine) -> None:
         engine.expire_held()  # prompts held for forks that never came (engine.forks)
         for request_id in self.table.expire():
             log.warning("reservation of %s expired before its KV arrived; blocks freed",
                         request_id)
+        self.departures.settle(engine, self.hand_over)
+        self.departures.expire(engine)
 
     def after_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         pass
@@ -53,7 +67,8 @@ class DecodePolicy:
 
 class DecodeWorker:
     def __init__(self, engine: LLMEngine, options: WorkerOptions,
-                 connect: ConnectReceivers = no_receivers):
+                 connect: ConnectReceivers = no_receivers,
+                 senders: Mapping[str, KVSendConnector] | None = None):
         self.options = options
         self.worker_id = options.worker_id
         # Transfers begin and end on the connectors' threads; freeing blocks is the loop's job.
@@ -62,9 +77,14 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(options.role, lambda: self.loop.load,
                                      options.tensor_parallel_size)
         self.gate = Gate(options.worker_id, self.metrics, options.max_queued_requests)
-        self.loop = EngineLoop(engine, DecodePolicy(self.table), observer=self.metrics)
+        self.departures = Departures()
+        self.loop = EngineLoop(engine, DecodePolicy(self.table, self.departures,
+                                                    lambda rid, m: self.loop.hand_over(rid, m)),
+                               observer=self.metrics)
         self.arrivals = KVArrivals(self.table, engine, self.metrics)
         self.receivers = connect(self.arrivals, self.gate.note_refused)
+        self.senders = dict(senders or {})  # by transport: running requests' KV leaving
+        self.dtype = str(engine.dtype).removeprefix("torch.")
 
     def kv_services(self) -> list[GrpcService]:
         return [service for c in self.receivers for service in c.services()]
@@ -99,12 +119,12 @@ class DecodeWorker:
         return self.loop.call(run, COMMAND_TIMEOUT_S)
 
     def admit(self, request_id: str, first_token: int, logprobs: dict[int, float] | None,
-              forks: int = 0) -> tuple[float, Iterator[RequestOutput]]:
+              forks: int = 0) -> tuple[float, Iterator[RequestOutput | Paused]]:
         """Start decoding a request whose KV arrived: the seconds until it joined the batch
         (the loop finishing its step), and its outputs (first token first). `forks`: samples
         of its prompt that will fork from its KV (its prompt's blocks are held for them)."""
         _check_forks(forks)
-        outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
         called = time.monotonic()
 
         def run(engine: LLMEngine) -> None:
@@ -120,13 +140,13 @@ class DecodeWorker:
 
     # ---- colocated path --------------------------------------------------------------------
     def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 forks: int = 0, fork_of: str = "") -> Iterator[RequestOutput]:
+                 forks: int = 0, fork_of: str = "") -> Iterator[RequestOutput | Paused]:
         """The whole generation on this worker (prefill + decode): the colocated baseline.
         `forks`: samples of its prompt that will fork from it; `fork_of`: this is such a sample,
         of that request's prompt (engine.forks) — it prefills the prompt itself when nothing is
         held for it."""
         _check_forks(forks)
-        outputs: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
         self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> None:
@@ -142,12 +162,62 @@ class DecodeWorker:
         self.loop.call(run, COMMAND_TIMEOUT_S)
         return _drain(outputs)
 
+    # ---- a running request moving to another decode worker ---------------------------------
+    def pause(self, request_ids: list[str], lease_s: float) -> list[str]:
+        """Take these running requests out of the batch to move them (the ids that will pause:
+        each one's stream then ends with `Paused`, its KV parked for `lease_s`)."""
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        return self.loop.call(lambda e: self.departures.pause(e, request_ids, lease_s),
+                              COMMAND_TIMEOUT_S)
+
+    def resume(self, request_id: str) -> Iterator[RequestOutput | Paused]:
+        """A parked request decodes here again: its outputs from the next token on (KeyError:
+        nothing parked by that id)."""
+        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
+
+        def run(engine: LLMEngine) -> None:
+            self.departures.resume(engine, request_id)
+            self.loop.sinks[request_id] = outputs.put
+
+        self.loop.call(run, COMMAND_TIMEOUT_S)
+        return _drain(outputs)
+
+    def migrate_out(self, request_id: str, transport: str, descriptor: TransferDescriptor,
+                    secret: str) -> TransferStats:
+        """Send a parked request's KV into another decode worker's reservation and free it here
+        once that worker acknowledged (or the transfer failed: TransferError). ValueError: the
+        transport or descriptor cannot serve (it stays parked); KeyError: nothing parked."""
+        connector = self.senders.get(transport)
+        if connector is None:
+            raise ValueError(f"kv_transport {transport!r} is not one this worker sends KV over "
+                             f"(it sends over: {', '.join(sorted(self.senders)) or 'none'})")
+        descriptor.endpoint(transport)
+        transfer = Transfer(request_id, transport, descriptor, secret, self.dtype)
+
+        def take(engine: LLMEngine) -> list[int]:
+            return _blocks_to_send(engine, self.departures, request_id, descriptor)
+
+        blocks = self.loop.call(take, COMMAND_TIMEOUT_S)
+        started = time.perf_counter()
+        try:
+            sent = connector.begin(transfer).finish(blocks)
+        except Exception:
+            self.metrics.transfer_failed("sent", transport)
+            raise
+        finally:  # acknowledged or failed: nothing reads its blocks any more
+            self.loop.call(lambda e: self.departures.shipped(e, request_id), COMMAND_TIMEOUT_S)
+        stats = TransferStats(sent.num_bytes, time.perf_counter() - started, sent.transport)
+        self.metrics.transfer("sent", stats.num_bytes, stats.seconds, stats.transport)
+        return stats
+
     # ---- both ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
         return self.loop.call(lambda e: self._abort_on_loop(e, request_id), COMMAND_TIMEOUT_S)
 
     def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
-        found = self.table.abort(request_id)
+        found = self.departures.abort(engine, request_id)
+        found = self.table.abort(request_id) or found
         if engine.abort(request_id) is not None:
             self.loop.deliver(RuntimeError("aborted"), request_id)
             found = True
@@ -159,13 +229,15 @@ class DecodeWorker:
 
     def in_flight(self) -> int:
         """Requests reserved, receiving, waiting or decoding here (drain waits for 0)."""
-        return self.loop.call(lambda e: self.loop.num_in_flight() + len(self.table),
-                              COMMAND_TIMEOUT_S)
+        return self.loop.call(lambda e: self.loop.num_in_flight() + len(self.table)
+                              + len(self.departures), COMMAND_TIMEOUT_S)
 
     def close(self) -> None:
         for connector in self.receivers:
             connector.close()
         self.loop.stop()
+        for sender in self.senders.values():
+            sender.close()
 
 
 MAX_FORKS = 1023  # samples forking from one prompt (the router sends at most MAX_CHOICES - 1)
@@ -176,10 +248,27 @@ def _check_forks(forks: int) -> None:
         raise ValueError(f"forks must be <= {MAX_FORKS}, got {forks}")
 
 
+def _blocks_to_send(engine: LLMEngine, departures: Departures, request_id: str,
+                    descriptor: TransferDescriptor) -> list[int]:
+    """A parked request's blocks for `descriptor` (after the target's cached ones), checked to
+    cover exactly its computed positions, and the request marked as shipping."""
+    request = departures.peek(request_id)
+    needed = engine.block_manager.blocks_needed(request.num_computed_tokens)
+    cached, fresh = descriptor.num_cached_blocks, len(descriptor.block_ids)
+    if cached + fresh != needed:
+        raise ValueError(f"transfer: {cached} cached + {fresh} reserved blocks, but request "
+                         f"{request_id}'s {request.num_computed_tokens} computed positions fill "
+                         f"{needed}")
+    departures.ship(request_id)
+    return request.block_ids[cached:needed]
+
+
 STALL_TIMEOUT_S = 300.0  # no output for this long means the loop is stuck: give up
 
 
-def _drain(outputs: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:
+def _drain(outputs: queue.Queue[RequestOutput | Paused | BaseException]
+           ) -> Iterator[RequestOutput | Paused]:
+    """A request's outputs until it finishes or is paused to move."""
     while True:
         try:
             item = outputs.get(timeout=STALL_TIMEOUT_S)
@@ -188,5 +277,5 @@ def _drain(outputs: queue.Queue[RequestOutput | BaseException]) -> Iterator[Requ
         if isinstance(item, BaseException):
             raise item
         yield item
-        if item.finished:
+        if isinstance(item, Paused) or item.finished:
             return

@@ -202,6 +202,19 @@ class LLMEngine:
         self.runner.grammars.drop(request_id)  # the decode side rebuilds it from the output
         return request
 
+    # ---- moving a running request to another worker --------------------------------------
+    def pause(self, request_id: str) -> str | None:
+        """Stop decoding a request to move it (None), or why it cannot move now."""
+        return self.scheduler.pause(request_id)
+
+    def take_paused(self) -> list[Request]:
+        """Paused requests whose KV is settled, detached (their blocks still held)."""
+        return self.scheduler.take_paused()
+
+    def resume(self, request: Request) -> None:
+        """A paused request that did not move decodes here again from the next step."""
+        self.scheduler.resume(request)
+
     def release(self, request: Request) -> None:
         """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
         self.block_manager.free(request)

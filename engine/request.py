@@ -180,6 +180,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     DETACHED = "detached"  # out of the scheduler, blocks still held (its KV is being shipped)
+    # Out of the running batch, blocks held, waiting for the step in flight (if any) to settle
+    # before it is detached to move to another worker (Scheduler.pause)
+    PAUSED = "paused"
 
     @property
     def finished(self) -> bool:

@@ -138,6 +138,34 @@ class Scheduler:
         request.status = RequestStatus.DETACHED
         return request
 
+    def pause(self, request_id: str) -> str | None:
+        """Take a decoding request out of the running batch to move it (with its KV) to another
+        worker; None when paused, else why it cannot move now. It stays among the requests
+        (an abort or the step in flight still reach it) until `take_paused` detaches it."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is RequestStatus.PAUSED:
+            return "not running here"
+        reason = _unmovable(request)
+        if reason is not None:
+            return reason
+        self.running.remove(request)
+        request.status = RequestStatus.PAUSED
+        return None
+
+    def take_paused(self) -> list[Request]:
+        """The paused requests no step in flight still computes, detached: their KV is whole
+        (every position before their last token) and nothing writes their blocks any more."""
+        settled = [r for r in self.requests.values() if r.status is RequestStatus.PAUSED
+                   and r.request_id not in self.in_flight and not r.num_pending]
+        for request in settled:
+            del self.requests[request.request_id]
+            request.status = RequestStatus.DETACHED
+        return settled
+
+    def resume(self, request: Request) -> None:
+        """A detached request whose move did not happen decodes here again."""
+        self.add_running(request)
+
     def abort(self, request_id: str) -> Request | None:
         """Finish a request wherever it is and free its blocks. Unknown ids are ignored."""
         request = self.requests.get(request_id)
@@ -377,6 +405,19 @@ class Scheduler:
 
     def all_requests(self) -> Iterable[Request]:
         return self.requests.values()
+
+
+def _unmovable(request: Request) -> str | None:
+    """Why a running request's KV cannot move to another worker now (None: it can)."""
+    if request.status is not RequestStatus.RUNNING \
+            or request.num_computed_tokens < request.num_prompt_tokens \
+            or not request.output_token_ids:
+        return "its prompt is still being computed"
+    if request.params.structured_output is not None:
+        return "its output is constrained (structured_output): the constraint cannot move"
+    if request.num_released_blocks:
+        return "its sliding windows released blocks already"
+    return None
 
 
 def _record_prompt_logprobs(request: Request, start: int,

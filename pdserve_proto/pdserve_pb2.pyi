@@ -221,7 +221,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport", "prefill_site", "router_queue_s", "prefill_queue_s", "prefill_compute_s", "decode_admission_s", "prefill_tensor_parallel_size", "decode_tensor_parallel_size")
+    __slots__ = ("queue_s", "ttft_s", "e2e_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transport", "prefill_site", "router_queue_s", "prefill_queue_s", "prefill_compute_s", "decode_admission_s", "prefill_tensor_parallel_size", "decode_tensor_parallel_size", "live_migrations", "live_migration_bytes", "live_migration_pause_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,9 @@ class Timings(_message.Message):
     DECODE_ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_MIGRATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_MIGRATION_PAUSE_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     ttft_s: float
     e2e_s: float
@@ -248,7 +251,10 @@ class Timings(_message.Message):
     decode_admission_s: float
     prefill_tensor_parallel_size: int
     decode_tensor_parallel_size: int
-    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_site: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    live_migrations: int
+    live_migration_bytes: int
+    live_migration_pause_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ..., prefill_site: _Optional[str] = ..., router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., decode_tensor_parallel_size: _Optional[int] = ..., live_migrations: _Optional[int] = ..., live_migration_bytes: _Optional[int] = ..., live_migration_pause_s: _Optional[float] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -375,6 +381,24 @@ class ClusterStatus(_message.Message):
     http_address: str
     def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
 
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "undo")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDO_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    undo: bool
+    def __init__(self, worker_id: _Optional[str] = ..., undo: _Optional[bool] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "draining", "running_streams")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    draining: bool
+    running_streams: int
+    def __init__(self, worker_id: _Optional[str] = ..., draining: _Optional[bool] = ..., running_streams: _Optional[int] = ...) -> None: ...
+
 class WorkerLoad(_message.Message):
     __slots__ = ("queued_prompt_tokens", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "prefix")
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +479,42 @@ class HeartbeatResponse(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class PauseRequest(_message.Message):
+    __slots__ = ("request_ids", "lease_s")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paused: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MigrateOutRequest(_message.Message):
+    __slots__ = ("request_id", "transfer", "kv_transport", "transfer_secret")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer: KVTransferDescriptor
+    kv_transport: str
+    transfer_secret: str
+    def __init__(self, request_id: _Optional[str] = ..., transfer: _Optional[_Union[KVTransferDescriptor, _Mapping]] = ..., kv_transport: _Optional[str] = ..., transfer_secret: _Optional[str] = ...) -> None: ...
+
+class MigrateOutResponse(_message.Message):
+    __slots__ = ("kv_transfer_s", "kv_transfer_bytes", "kv_transport")
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    kv_transfer_s: float
+    kv_transfer_bytes: int
+    kv_transport: str
+    def __init__(self, kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "lease_s", "transfer_secret")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -508,7 +568,7 @@ class KVEndpoint(_message.Message):
     def __init__(self, addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob", "forks", "fork_of")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob", "forks", "fork_of", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -516,6 +576,7 @@ class DecodeRequest(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FORKS_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -523,7 +584,8 @@ class DecodeRequest(_message.Message):
     first_logprob: TokenLogprob
     forks: int
     fork_of: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., forks: _Optional[int] = ..., fork_of: _Optional[str] = ...) -> None: ...
+    resume: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., forks: _Optional[int] = ..., fork_of: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
     __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more", "transfer_secret", "piece_mac")
@@ -558,7 +620,7 @@ class ReceiveKVResponse(_message.Message):
     def __init__(self, num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "cached_tokens", "queue_s", "prefill_s", "admission_s", "prompt_logprobs", "forked")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "cached_tokens", "queue_s", "prefill_s", "admission_s", "prompt_logprobs", "forked", "paused")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -569,6 +631,7 @@ class TokenChunk(_message.Message):
     ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORKED_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
@@ -579,7 +642,8 @@ class TokenChunk(_message.Message):
     admission_s: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     forked: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., admission_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., forked: _Optional[bool] = ...) -> None: ...
+    paused: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., admission_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., forked: _Optional[bool] = ..., paused: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

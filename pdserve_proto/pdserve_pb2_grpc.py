@@ -404,6 +404,83 @@ class WorkerRegistry:
             _registered_method=True)
 
 
+class RouterAdminStub:
+    """Served by the router, for operators (internal: the cluster token or mTLS is required).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.DrainWorker = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/DrainWorker',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
+
+
+class RouterAdminServicer:
+    """Served by the router, for operators (internal: the cluster token or mTLS is required).
+    """
+
+    def DrainWorker(self, request, context):
+        """Drain a worker: place nothing new on it and move its running requests' KV to other decode
+        workers (live migration); `undo` places on it again. Answers at once, with what it started.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RouterAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'DrainWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorker,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.RouterAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.RouterAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RouterAdmin:
+    """Served by the router, for operators (internal: the cluster token or mTLS is required).
+    """
+
+    @staticmethod
+    def DrainWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/DrainWorker',
+            pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class DecodeWorkerStub:
     """Served by decode workers.
     """
@@ -428,6 +505,16 @@ class DecodeWorkerStub:
                 '/pdserve.v1.DecodeWorker/Abort',
                 request_serializer=pdserve__proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Pause',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.PauseRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.MigrateOut = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/MigrateOut',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.FromString,
                 _registered_method=True)
 
 
@@ -457,6 +544,25 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Live migration, step 1: take running requests out of the batch at the next step boundary
+        and park them (blocks held, under a lease); each one's Decode stream then ends with a chunk
+        that says `paused`, after every token it produced here.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateOut(self, request, context):
+        """Step 2: send a parked request's KV into a reservation on another decode worker (the reply
+        comes after that worker acknowledged it) and free it here. On any failure it is freed too
+        (ABORTED: the transfer failed). A parked request that does not move resumes with a Decode
+        call that sets `resume`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -474,6 +580,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.AbortRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.PauseRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.PauseResponse.SerializeToString,
+            ),
+            'MigrateOut': grpc.unary_unary_rpc_method_handler(
+                    servicer.MigrateOut,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -558,6 +674,60 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Abort',
             pdserve__proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Pause',
+            pdserve__proto_dot_pdserve__pb2.PauseRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateOut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/MigrateOut',
+            pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.FromString,
             options,
             channel_credentials,
             insecure,

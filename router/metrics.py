@@ -53,6 +53,19 @@ class RouterMetrics:
                                "worker after a failure", registry=self.registry)
         self.migrations = Counter("pdserve_router_migrations", "Requests moved to another "
                                   "decode worker mid-stream", registry=self.registry)
+        self.live_migrations = Counter("pdserve_router_live_migrations", "Running requests "
+                                       "asked to move their KV to another decode worker, by "
+                                       "cause (drain, operator, rebalance) and outcome (moved; "
+                                       "resumed: nowhere to go; failed: recomputed instead)",
+                                       ["cause", "outcome"], registry=self.registry)
+        self.live_migration_bytes = Counter("pdserve_router_live_migration_bytes", "KV bytes "
+                                            "moved between decode workers by live moves, by "
+                                            "transport", ["transport"], registry=self.registry)
+        self.live_migration_pause = Histogram("pdserve_router_live_migration_pause_seconds",
+                                              "How long a stream stood still for a live move: "
+                                              "its last token before the pause -> the first "
+                                              "after it", registry=self.registry,
+                                              buckets=LATENCY_BUCKETS)
         self.kv_transfer_bytes = Counter("pdserve_router_kv_transfer_bytes", "KV bytes moved "
                                          "from prefill to decode workers, by transport",
                                          ["transport"], registry=self.registry)

@@ -15,6 +15,7 @@ from engine.prepare import default_model_dir, is_prepared
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.fleet.admin_service import RouterAdminServicer
 from router.fleet.registry import Role, WorkerRegistry
 from router.fleet.registry_service import WorkerRegistryServicer
 from router.frontdoor.grpc_api import GenerationServicer, add_generation_servicer
@@ -23,9 +24,11 @@ from router.frontdoor.lenient import TRANSPORT_LIMIT_BYTES
 from router.frontdoor.validation import Frontend
 from router.metrics import RouterMetrics
 from router.policy.admission import QUEUE_POLICIES, Admission
+from router.policy.moves import MovePolicy, RebalanceConfig
 from router.policy.placement import PlacementPolicy
 from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy
 from router.request.calls import DEFAULT_TIMEOUT_S
+from router.request.move_trigger import MoveTrigger
 from router.request.orchestrator import Orchestrator
 from router.request.worker_client import WorkerStubs
 from security import auth
@@ -33,9 +36,11 @@ from security.tls import ClusterTls, ServerTls
 
 log = logging.getLogger(__name__)
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name[name].full_name
-                 for name in ("Generation", "WorkerRegistry")]
+                 for name in ("Generation", "WorkerRegistry", "RouterAdmin")]
 GENERATION_SERVICE = SERVICE_NAMES[0]
-REGISTRY_SERVICE = SERVICE_NAMES[1]  # internal: only cluster members may register
+# Internal: only cluster members may register, and only they (an operator holding the cluster's
+# credentials) may drain a worker.
+INTERNAL_SERVICES = SERVICE_NAMES[1:]
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class RouterOptions:
     default_timeout_s: float = DEFAULT_TIMEOUT_S  # a request whose client set no deadline
     cache_aware: bool = True  # placement counts what workers' prefix caches hold
     local_prefill: PrefillSiteConfig = PrefillSiteConfig()  # conditional disaggregation
+    rebalance: RebalanceConfig = RebalanceConfig()  # running requests' KV off full workers
     queue_policy: str = "short_first"  # which queued request a freed slot goes to
     queue_age_bound_s: float = 4.0  # short_first: older than this goes first whatever its size
     # The cluster token (security.auth): workers must present it to register and heartbeat.
@@ -121,9 +127,11 @@ class Router:
         self.admission = Admission(options.max_running, options.max_queued,
                                    policy=options.queue_policy,
                                    age_bound_s=options.queue_age_bound_s)
-        self.orchestrator = Orchestrator(self.placement, WorkerStubs(), self.metrics,
-                                         options.lease_s,
+        stubs = WorkerStubs()
+        self.orchestrator = Orchestrator(self.placement, stubs, self.metrics, options.lease_s,
                                          sites=PrefillSitePolicy(options.local_prefill))
+        self.moves = MoveTrigger(self.registry, self.orchestrator.streams,
+                                 MovePolicy(options.rebalance), stubs, options.lease_s)
         self.metrics.watch(lambda: self.admission.queued, lambda: self.admission.running,
                            self._placeable_workers)
         self._stopped = threading.Event()
@@ -157,20 +165,23 @@ class Router:
             generation.http_address = self.http_address
         self._serve_grpc(generation)
         threading.Thread(target=self._reap, name="reaper", daemon=True).start()
+        self.moves.start()
         return self.server.port
 
     def _serve_grpc(self, generation: GenerationServicer) -> None:
         """The public port (Generation, and the registry unless it has its own port)."""
         registry = WorkerRegistryServicer(self.registry, self.model_name,
                                           self.options.heartbeat_interval_s)
-        add_registry = [lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s)]
+        admin = RouterAdminServicer(self.registry, self.orchestrator.streams.count)
+        add_registry = [lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s),
+                        lambda s: pb_grpc.add_RouterAdminServicer_to_server(admin, s)]
         apart = self.options.internal_port is not None
         self.server = start_server(
             self.options.host, self.options.port,
             [lambda s: add_generation_servicer(generation, s), *([] if apart else add_registry)],
             [GENERATION_SERVICE] if apart else SERVICE_NAMES,
             max_receive_bytes=TRANSPORT_LIMIT_BYTES,
-            internal=[REGISTRY_SERVICE], on_refused=self.metrics.refused_unauthenticated,
+            internal=INTERNAL_SERVICES, on_refused=self.metrics.refused_unauthenticated,
             tls=self.options.tls,
             # Every running or queued stream holds a handler thread; the pool must not be what
             # limits them (gRPC would queue the excess silently instead of refusing it).
@@ -178,7 +189,7 @@ class Router:
         if apart:  # mutual TLS (with --cluster-cert), the token, or both
             self.internal_server = start_server(
                 self.options.host, self.options.internal_port or 0, add_registry,
-                [REGISTRY_SERVICE], internal=[REGISTRY_SERVICE],
+                INTERNAL_SERVICES, internal=INTERNAL_SERVICES,
                 on_refused=self.metrics.refused_unauthenticated, tls=self.options.cluster_tls)
             self.internal_address = f"{self.options.host}:{self.internal_server.port}"
 
@@ -204,6 +215,7 @@ class Router:
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stopped.set()
+        self.moves.stop()
         if self.http is not None:
             self.http.stop()
         if self.server is not None:

@@ -191,6 +191,15 @@ class EngineLoop:
         if self.observer is not None and rid is not None and rid not in self.sinks:
             self.observer.forget(rid)  # finished, failed or handed off: no more outputs here
 
+    def hand_over(self, request_id: str, marker: object) -> None:
+        """End a request's output stream here without finishing it (it leaves this worker with
+        its KV): its sink gets `marker` and is dropped."""
+        sink = self.sinks.pop(request_id, None)
+        if self.observer is not None:
+            self.observer.forget(request_id)
+        if sink is not None:
+            sink(marker)  # type: ignore[arg-type]  # the role's sinks know its markers
+
     def _fail_all(self, error: BaseException) -> None:
         for request in list(self.engine.scheduler.all_requests()):
             self.engine.abort(request.request_id)

@@ -45,7 +45,8 @@ class Worker:
     transfer_host: str = "127.0.0.1"
     load: WorkerLoad = field(default_factory=WorkerLoad)
     last_heartbeat: float = 0.0
-    draining: bool = False
+    draining: bool = False  # it said so (SIGTERM): it takes nothing new and goes away
+    operator_drained: bool = False  # an operator drained it here (RouterAdmin.DrainWorker)
     metrics_address: str = ""
     host_id: str = ""  # where its KV cache lives: picks the KV transport of each pair
     kv_device: str = "cpu"
@@ -60,6 +61,11 @@ class Worker:
 
     def kv_place(self) -> KVPlace:
         return KVPlace(self.worker_id, self.host_id, self.kv_device, self.kv_transport)
+
+    @property
+    def leaving(self) -> str:
+        """Why nothing new goes to it ("" when work does): "drain" or "operator"."""
+        return "drain" if self.draining else "operator" if self.operator_drained else ""
 
 
 class KVLayoutMismatch(ValueError):
@@ -82,7 +88,18 @@ class WorkerRegistry:
         with self._lock:
             self._check_layout(worker)
             worker.last_heartbeat = self._clock()
+            known = self._workers.get(worker.worker_id)
+            worker.operator_drained = known is not None and known.operator_drained
             self._workers[worker.worker_id] = worker
+
+    def drain(self, worker_id: str, drained: bool = True) -> Worker | None:
+        """An operator drains a worker (nothing new is placed on it; its running requests
+        move), or undoes it; the worker, or None when unknown."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.operator_drained = drained
+            return None if worker is None else replace(worker)
 
     def _check_layout(self, worker: Worker) -> None:
         if worker.role is Role.COLOCATED or not worker.kv_layout:
@@ -139,11 +156,14 @@ class WorkerRegistry:
             return [replace(w) for w in self._workers.values()]
 
     def placeable(self, can: Callable[[Role], bool]) -> list[Worker]:
-        """Live, non-draining workers whose role passes `can` (copies)."""
+        """Live workers taking work (not draining or drained) whose role passes `can` (copies)."""
         now = self._clock()
         return [w for w in self.snapshot()
-                if can(w.role) and not w.draining
+                if can(w.role) and not w.leaving
                 and now - w.last_heartbeat <= self.heartbeat_timeout_s]
 
     def seconds_since_heartbeat(self, worker: Worker) -> float:
         return self._clock() - worker.last_heartbeat
+
+    def live(self, worker: Worker) -> bool:
+        return self.seconds_since_heartbeat(worker) <= self.heartbeat_timeout_s

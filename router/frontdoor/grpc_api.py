@@ -215,7 +215,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prefill_queue_s=end.prefill_queue_s, prefill_compute_s=end.prefill_compute_s,
                 decode_admission_s=end.decode_admission_s,
                 prefill_tensor_parallel_size=end.tensor_parallel[0],
-                decode_tensor_parallel_size=end.tensor_parallel[1]))
+                decode_tensor_parallel_size=end.tensor_parallel[1],
+                live_migrations=end.live_migrations,
+                live_migration_bytes=end.live_migration_bytes,
+                live_migration_pause_s=end.live_migration_pause_s))
 
     def Complete(self, request: pb.GenerateRequest, context: grpc.ServicerContext
                  ) -> pb.CompleteResponse:
@@ -251,7 +254,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 waiting_requests=w.load.waiting_requests,
                 free_blocks=max(0, self.placement.free_blocks(w)),
                 total_blocks=w.load.total_blocks, seconds_since_heartbeat=age,
-                draining=w.draining, metrics_address=w.metrics_address, host_id=w.host_id,
+                draining=bool(w.leaving), metrics_address=w.metrics_address, host_id=w.host_id,
                 kv_device=w.kv_device, kv_transport=w.kv_transport,
                 tensor_parallel_size=w.tensor_parallel_size, kv_layout=w.kv_layout))
         return pb.ClusterStatus(model=self.frontend.model_name, workers=workers,

@@ -304,7 +304,9 @@ def timings(last: pb.GenerateResponse) -> dict:
             "prefill_compute_s": t.prefill_compute_s, "kv_transfer_s": t.kv_transfer_s,
             "kv_transfer_bytes": t.kv_transfer_bytes, "kv_transport": t.kv_transport,
             "decode_admission_s": t.decode_admission_s, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s,
-            "prefill_site": t.prefill_site}
+            "prefill_site": t.prefill_site, "live_migrations": t.live_migrations,
+            "live_migration_bytes": t.live_migration_bytes,
+            "live_migration_pause_s": t.live_migration_pause_s}
 
 
 def envelope(api: ApiRequest, request_id: str, model: str, chunk: bool) -> dict:

@@ -38,6 +38,10 @@ class Finished:
     prefill_compute_s: float = 0.0
     decode_admission_s: float = 0.0
     tensor_parallel: tuple[int, int] = (0, 0)  # the prefilling and the decoding worker's TP
+    # Live moves of its KV to another decode worker (pb.Timings.live_migration_*)
+    live_migrations: int = 0
+    live_migration_bytes: int = 0
+    live_migration_pause_s: float = 0.0
 
     def note_prefill(self, first: pb.PrefillResponse) -> None:
         """A prefill worker's answer: its cache hit, queue and compute, and the KV it shipped."""
@@ -59,6 +63,11 @@ class Finished:
             self.decode_admission_s = chunk.admission_s
 
 
+@dataclasses.dataclass
+class Paused:
+    """The decode worker paused the stream to move the request (its KV is parked there)."""
+
+
 def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
     """The request as attempt `attempt` sends it: after a migration, the tokens already streamed
     join the prompt and count against max_tokens (greedy output is unchanged by the move)."""
@@ -72,24 +81,39 @@ def continuation(job: Job, emitted: list[int], attempt: int) -> Job:
         raise RouterError(grpc.StatusCode.UNAVAILABLE, "the worker serving this request was "
                           "lost after its first tokens; a request under structured_output "
                           "cannot continue elsewhere")
-    # Tokens already streamed went out with the prompt's logprobs: the continuation's longer
-    # prompt needs none; they count against max_tokens and min_tokens.
+    return dataclasses.replace(_extended(job, emitted),
+                               worker_request_id=f"{job.worker_request_id}.{attempt}", fork=fork)
+
+
+def handover(part: Job, emitted: list[int]) -> Job:
+    """The request as a live move's target reserves it: every position whose KV moves is its
+    prompt (the attempt's prompt and its tokens before the last), and the last token streamed is
+    the one the target decodes first, as if a prefill worker had sampled it."""
+    return dataclasses.replace(_extended(part, emitted[:-1]), fork=None)
+
+
+def _extended(job: Job, emitted: list[int]) -> Job:
+    # Tokens already streamed went out with the prompt's logprobs: the longer prompt needs none;
+    # they count against max_tokens and min_tokens.
     params = dataclasses.replace(
         job.params, max_tokens=job.params.max_tokens - len(emitted),
         min_tokens=max(0, job.params.min_tokens - len(emitted)),
         prompt_logprobs=None if emitted else job.params.prompt_logprobs,
         continued_tokens=job.params.continued_tokens + len(emitted))  # penalties and seeds
-    return dataclasses.replace(job, worker_request_id=f"{job.worker_request_id}.{attempt}",
-                               token_ids=job.token_ids + emitted, params=params, fork=fork)
+    return dataclasses.replace(job, token_ids=job.token_ids + emitted, params=params)
 
 
 def decode_events(worker_id: str, call: Iterator[pb.TokenChunk], message: pb.DecodeRequest,
-                  scope: CallScope, end: Finished, on_first: Callable[[], None] | None
-                  ) -> Iterator[Tokens | Finished]:
-    """A decode stream's chunks as events (`on_first` runs at the first chunk)."""
-    first = True
+                  scope: CallScope, end: Finished, on_first: Callable[[], None] | None,
+                  continuing: bool = False) -> Iterator[Tokens | Finished | Paused]:
+    """A decode stream's chunks as events (`on_first` runs at the first chunk). `continuing`:
+    the stream goes on after a live move or a resume (its first chunk is not the request's)."""
+    first = not continuing
     try:
         for chunk in call:
+            if chunk.paused:
+                yield Paused()
+                return
             if on_first is not None:
                 on_first()
                 on_first = None

@@ -4,8 +4,10 @@ then stream the decode worker's tokens — or, in colocated mode, one worker doe
 Worker failures do not fail the request: a failed prefill (the worker died, or the KV transfer
 broke) is retried on another worker with a fresh reservation, and a decode worker dying
 mid-stream makes the request migrate — it is prefilled again with the prompt plus every token
-already streamed, so the client sees neither a duplicate nor a gap. Every attempt aborts what it
-holds on any path but success. Yields domain events; the servicer turns them into proto."""
+already streamed, so the client sees neither a duplicate nor a gap. A decode stream that pauses
+(a drain or a rebalance asked its worker to: router.request.move_trigger) moves with its KV to
+another decode worker and goes on from there (router.request.moving). Every attempt aborts what
+it holds on any path but success. Yields domain events; the servicer turns them into proto."""
 
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role, Worker
 from router.frontdoor.validation import Job
 from router.metrics import RouterMetrics
+from router.policy.moves import LiveStream
 from router.policy.placement import Charge, PlacementPolicy, Suspects
 from router.policy.prefill_site import PrefillSitePolicy
 from router.request.calls import CallScope, LostWorkers, RouterError
-from router.request.events import Finished, Tokens, continuation, decode_events
+from router.request.events import Finished, Paused, Tokens, continuation, decode_events
 from router.request.forks import ForkSource
+from router.request.live_streams import LiveStreams
+from router.request.moving import LiveMover, StreamSite
 from router.request.transfer_secret import transfer_secret
 from router.request.worker_client import WorkerStubs
 
@@ -48,6 +53,8 @@ class Orchestrator:
         self.max_attempts = max_attempts
         # The reaper abandons the calls in flight to the workers it drops.
         self.lost = LostWorkers(lambda worker_id: self.registry.get(worker_id) is not None)
+        self.streams = LiveStreams()  # what a drain or a rebalance may move
+        self.mover = LiveMover(placement, stubs, metrics, lease_s)
 
     def run(self, job: Job, scope: CallScope) -> Iterator[Tokens | Finished]:
         emitted: list[int] = []
@@ -199,9 +206,11 @@ class Orchestrator:
                 return
             message = pb.DecodeRequest(request_id=part.worker_request_id,
                                        first_token_id=first.first_token_id)
+            site = StreamSite(decode, holders, [first.first_token_id])
             if first.HasField("first_logprob"):
                 message.first_logprob.CopyFrom(first.first_logprob)
-            for item in self._stream(decode, message, scope, end,
+                site.last_logprob = first.first_logprob
+            for item in self._stream(part, site, message, scope, end,
                                      self._leading(part, decode, message, None)):
                 done = isinstance(item, Finished)
                 yield item
@@ -302,8 +311,9 @@ class Orchestrator:
 
         done = False
         counted = kind != "fork"  # a sample's site is known at its first chunk
+        site = StreamSite(worker, [(worker, kind)])
         try:
-            for item in self._stream(worker, message, scope, end,
+            for item in self._stream(part, site, message, scope, end,
                                      self._leading(part, worker, message, release)):
                 if not counted:
                     self.metrics.prefill_sites.labels(end.prefill_site, "sample of n").inc()
@@ -313,15 +323,53 @@ class Orchestrator:
         finally:
             release()
             if not done:
-                self._abort_all([(worker, kind)], part)
+                self._abort_all(site.holders, part)
 
     # ---- shared ----------------------------------------------------------------------------
-    def _stream(self, worker: Worker, message: pb.DecodeRequest, scope: CallScope,
-                end: Finished, on_first: Callable[[], None] | None = None
+    def _stream(self, part: Job, site: StreamSite, message: pb.DecodeRequest,
+                scope: CallScope, end: Finished, on_first: Callable[[], None] | None = None
                 ) -> Iterator[Tokens | Finished]:
-        call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
-        with scope.watching(worker.worker_id, call, f"decode on {worker.worker_id}"):
-            yield from decode_events(worker.worker_id, call, message, scope, end, on_first)
+        """The request's decode stream, following it wherever a live move takes it."""
+        once = _Once(on_first)
+        continuing = False
+        while True:
+            cause = yield from self._stream_once(part, site, message, scope, end, once,
+                                                 continuing)
+            if cause is None:
+                return
+            message = self.mover.move(part, site, cause, scope, end)
+            continuing = True
+
+    def _stream_once(self, part: Job, site: StreamSite, message: pb.DecodeRequest,
+                     scope: CallScope, end: Finished, on_first: Callable[[], None],
+                     continuing: bool) -> Iterator[Tokens | Finished]:
+        """One Decode call's events; returns the cause of the move when it paused (else None)."""
+        worker, rid = site.worker, part.worker_request_id
+        self.streams.open(LiveStream(
+            rid, worker.worker_id, len(part.token_ids) + len(site.emitted),
+            part.params.max_tokens - len(site.emitted),
+            movable=worker.role is Role.DECODE and part.params.structured_output is None))
+        try:
+            call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
+            with scope.watching(worker.worker_id, call, f"decode on {worker.worker_id}"):
+                for event in decode_events(worker.worker_id, call, message, scope, end,
+                                           on_first, continuing):
+                    if isinstance(event, Paused):
+                        return self.streams.close(rid) or "drain"
+                    if isinstance(event, Tokens):
+                        self._note_tokens(rid, site, event, end)
+                    yield event
+        finally:
+            self.streams.close(rid)
+        return None
+
+    def _note_tokens(self, request_id: str, site: StreamSite, tokens: Tokens,
+                     end: Finished) -> None:
+        paused_s = site.note_tokens(tokens.token_ids, tokens.logprobs)
+        if paused_s:
+            end.live_migration_pause_s += paused_s
+            self.metrics.live_migration_pause.observe(paused_s)
+        self.streams.grow(request_id, len(tokens.token_ids))
 
     def _wait_for_room(self, role: Role, total_tokens: int, scope: CallScope,
                        suspects: Suspects) -> None:
@@ -341,3 +389,15 @@ class Orchestrator:
         for worker, kind in holders:
             self.stubs.abort(worker, kind, part.worker_request_id)
         holders.clear()
+
+
+class _Once:
+    """A callback run at most once, however many streams a moved request reads."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()

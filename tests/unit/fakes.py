@@ -36,7 +36,7 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
     """One schedule → execute → update step, with the integrity check after it."""
     out = scheduler.schedule()
     scheduler.update(out, fake_execute(out))
-    live = list(scheduler.running) + list(scheduler.waiting)
+    live = list(scheduler.requests.values())  # running, waiting and paused
     scheduler.block_manager.check_integrity(live)
     return out
 

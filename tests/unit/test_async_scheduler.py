@@ -51,7 +51,7 @@ def async_step(s: Scheduler, device: FakeDevice,
         device.read(*flight)
         s.release_held()
         s.update(flight[0], flight[1], computed_at_launch=True)
-    holders = list(s.running) + list(s.waiting) + list(s.held_requests)
+    holders = list(s.requests.values()) + list(s.held_requests)
     s.block_manager.check_integrity(holders)
     return launched
 
@@ -132,3 +132,23 @@ def test_abort_while_in_flight_and_eos_both_end_with_every_block_free():
     assert s.block_manager.num_free_blocks == 32
     assert reqs[0].output_token_ids == expected_output(reqs[0].prompt_token_ids, 30)
     assert EOS not in reqs[0].output_token_ids or reqs[0].finish_reason is FinishReason.STOP
+
+
+def test_a_paused_request_settles_only_after_the_step_in_flight_is_read():
+    s = make_scheduler(num_blocks=16, block_size=4, budget=32)
+    r = make_request("a", prompt(6, 0), max_tokens=10)
+    s.add(r)
+    device = FakeDevice()
+    flight = async_step(s, device, None)
+    flight = async_step(s, device, flight)  # token 2 in flight
+    assert r.num_pending == 1
+    assert s.pause("a") is None
+    assert s.take_paused() == [], "a step in flight still computes it"
+    flight = async_step(s, device, flight)  # schedules without it, reads token 2
+    assert flight is None and r.num_pending == 0
+    assert s.take_paused() == [r]
+    assert r.num_computed_tokens == r.num_tokens - 1 and len(r.output_token_ids) == 2
+    s.resume(r)
+    run_async(s)
+    assert r.output_token_ids == expected_output(prompt(6, 0), 10)
+    assert s.block_manager.num_free_blocks == 16

@@ -314,3 +314,39 @@ def test_a_prompt_held_for_its_samples_stays_held_while_its_request_lets_go():
     (holder,) = s.forks.holders()
     assert r.num_released_blocks > 0 and holder.block_ids == r.block_ids[:5]
     assert all(s.block_manager.blocks[b].ref_count == 1 for b in holder.block_ids)
+
+
+def test_a_paused_request_is_detached_with_its_kv_whole_and_resumes_unchanged():
+    s = make_scheduler(num_blocks=32, block_size=4)
+    moving, staying = make_request("m", prompt(9), max_tokens=12), make_request("s", prompt(5, 1))
+    s.add(moving)
+    s.add(staying)
+    assert s.pause("m") == "its prompt is still being computed"  # nothing to move yet
+    for _ in range(4):
+        step(s)
+    assert s.pause("m") is None and s.pause("m") == "not running here"
+    assert moving.status is RequestStatus.PAUSED
+    before = list(moving.output_token_ids)
+    step(s)  # the batch runs without it
+    assert moving.output_token_ids == before
+    (parked,) = s.take_paused()
+    assert parked is moving and moving.status is RequestStatus.DETACHED
+    assert "m" not in s.requests and moving.block_ids  # out of the scheduler, blocks held
+    assert moving.num_computed_tokens == moving.num_tokens - 1  # every position but the last
+    s.resume(moving)
+    run_all(s)
+    assert moving.output_token_ids == expected_output(prompt(9), 12)
+    assert s.block_manager.num_free_blocks == 32
+
+
+def test_a_request_that_finishes_or_is_aborted_while_pausing_is_never_parked():
+    s = make_scheduler(num_blocks=32, block_size=4)
+    a, b = make_request("a", prompt(6), max_tokens=20), make_request("b", prompt(6, 2))
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.pause("a") is None and s.pause("b") is None
+    s.abort("a")
+    assert a.is_finished and s.take_paused() == [b]
+    s.block_manager.free(b)  # what a decode worker does once b's KV has moved
+    assert s.block_manager.num_free_blocks == 32
