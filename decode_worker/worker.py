@@ -201,7 +201,9 @@ class DecodeWorker:
         blocks = self.loop.call(take, COMMAND_TIMEOUT_S)
         started = time.perf_counter()
         try:
-            sent = connector.begin(transfer).finish(blocks)
+            send = connector.begin(transfer)
+            time.sleep(self.options.fault_move_pause_s)  # tests only: a window mid-move
+            sent = send.finish(blocks)
         except Exception:
             self.metrics.transfer_failed("sent", transport)
             raise

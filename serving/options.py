@@ -62,6 +62,9 @@ class WorkerOptions:
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
+    # ... (env PDSERVE_FAULT_MOVE_PAUSE_S): a decode worker moving a running request's KV waits
+    # this long after the target reserved and before the KV goes (a window to kill the target).
+    fault_move_pause_s: float = 0.0
     # The cluster token (security.auth): from --cluster-token-file or PDSERVE_CLUSTER_TOKEN.
     cluster_token: str | None = field(default=None, repr=False)
     tls_ca: str | None = None  # the CA the router's TLS certificate is checked against
@@ -180,6 +183,7 @@ def _options(role: str, args: argparse.Namespace) -> WorkerOptions:
         gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
         async_scheduling=args.async_scheduling,
         fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
+        fault_move_pause_s=float(os.environ.get("PDSERVE_FAULT_MOVE_PAUSE_S", "0")),
         cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
         cluster_tls=ClusterTls.load(args.cluster_cert, args.cluster_key, args.cluster_ca))
 
