@@ -1,7 +1,8 @@
 """python -m deploy {up,status,down} --config deploy/pdserve.yaml [--ray-address ADDR]
 
   up      start the router and the workers on the running Ray cluster; wait until they serve
-  status  nodes, actors (role, node, endpoint, restarted) and the router's registered workers
+  status  nodes, actors (role, node, endpoint, restarted), the router's registered workers
+          and the autoscaler's last decisions with their inputs
   down    drain and stop every actor of the deployment, remove its placement group
 """
 
@@ -11,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +75,25 @@ def render_status(report: dict[str, Any]) -> str:
         state = "draining" if worker["draining"] else "healthy" if worker["healthy"] else \
             "unhealthy"
         lines.append(f"  {worker['id']:12} {worker['role']:20} {worker['address']:21} {state}")
+    lines += _render_autoscaler(report.get("autoscaler"))
     return "\n".join(lines)
+
+
+def _render_autoscaler(scaler: dict[str, Any] | None) -> list[str]:
+    if scaler is None:
+        return []
+    mode = " (dry run: nothing is changed)" if scaler.get("dry_run") else ""
+    lines = [f"autoscaler: {scaler['state']}{mode}; last decisions:"]
+    for d in scaler["decisions"] or [{"error": "none yet"}]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["time"])) if "time" in d else ""
+        if "error" in d:
+            lines.append(f"  {when} {d['error']}")
+            continue
+        flip = f", local prefill -> {d['local_prefill']}" if d.get("local_prefill") else ""
+        target = f" {d['role']} {d.get('worker_id', '')}".rstrip() if d["role"] else ""
+        lines.append(f"  {when} {d['action']}{target}{flip}: {d['reason']}  inputs "
+                     f"{json.dumps(d['inputs'], sort_keys=True)}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

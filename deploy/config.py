@@ -46,6 +46,19 @@ Schema (every key optional except where noted; unknown keys are errors):
     placement:
       strategy: PACK           # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD (one bundle per worker)
       timeout_s: 120           # waiting for the placement group and for workers to register
+    autoscale:                 # the SLO-driven controller (deploy.autoscaler), an actor
+      enabled: false
+      dry_run: false           # decide and log, change nothing
+      slo_file: null           # the load tests' SLO YAML (null: loadtest/slo.yaml)
+      interval_s: 10           # how often it reads the router's metrics and decides
+      cooldown_s: 30           # after a change, the next one waits this long
+      prefill: {min: 1, max: 1}  # bounds per role (min >= 1: the last worker never goes)
+      decode: {min: 1, max: 1}
+      scale_down_below: 0.5    # every latency under this share of its SLO bound, no queue, KV
+                               # use under kv_high / 2: one worker goes (drained by migration)
+      kv_high: 0.85            # decode workers' mean KV use above this adds a decode worker
+      profile: null            # a worker's speed (python -m engine.profile): with `workload`,
+      workload: null           # the planner's model picks which role to add or remove
 """
 
 from __future__ import annotations
@@ -236,6 +249,49 @@ class PlacementSection:
 
 
 @dataclass(frozen=True)
+class RoleBounds:
+    min: int = 1
+    max: int = 1
+
+
+@dataclass(frozen=True)
+class AutoscaleSection:
+    enabled: bool = False
+    dry_run: bool = False
+    slo_file: str | None = None
+    interval_s: float = 10.0
+    cooldown_s: float = 30.0
+    prefill: RoleBounds = field(default_factory=RoleBounds)
+    decode: RoleBounds = field(default_factory=RoleBounds)
+    scale_down_below: float = 0.5
+    kv_high: float = 0.85
+    profile: str | None = None
+    workload: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.interval_s <= 3600 or not 0 <= self.cooldown_s <= 86400:
+            raise ConfigError(f"autoscale.interval_s must be in (0, 3600] and cooldown_s in "
+                              f"[0, 86400], got {self.interval_s} and {self.cooldown_s}")
+        for role in ("prefill", "decode"):
+            bounds = getattr(self, role)
+            if not 1 <= bounds.min <= bounds.max <= MAX_REPLICAS:
+                raise ConfigError(f"autoscale.{role} needs 1 <= min <= max <= {MAX_REPLICAS} "
+                                  f"(the last worker of a role never goes), got min "
+                                  f"{bounds.min}, max {bounds.max}")
+        if not 0 < self.scale_down_below < 1 or not 0 < self.kv_high <= 1:
+            raise ConfigError(f"autoscale.scale_down_below must be in (0, 1) and kv_high in "
+                              f"(0, 1], got {self.scale_down_below} and {self.kv_high}")
+        if (self.profile is None) != (self.workload is None):
+            raise ConfigError("autoscale.profile and autoscale.workload go together: the "
+                              "planner's model needs a worker's speed and the request shapes")
+        for key in ("slo_file", "profile", "workload"):
+            path = getattr(self, key)
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ConfigError(f"autoscale.{key} {path!r} is not a file (read where "
+                                  "`deploy up` runs)")
+
+
+@dataclass(frozen=True)
 class DeployConfig:
     name: str = "pdserve"
     ray: RaySection = field(default_factory=RaySection)
@@ -248,6 +304,7 @@ class DeployConfig:
     cluster_token_file: str | None = None  # read by each actor on its node
     tls: TlsSection = field(default_factory=TlsSection)  # paths, read by each actor on its node
     cluster_tls: ClusterTlsSection = field(default_factory=ClusterTlsSection)
+    autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
 
     def __post_init__(self) -> None:
         if self.cluster_token_file == "":
@@ -260,6 +317,11 @@ class DeployConfig:
                 raise ConfigError(f"{role}.replicas must be in [1, {MAX_REPLICAS}], got "
                                   f"{replicas}")
         self._check_tensor_parallel()
+        for role in ("prefill", "decode"):
+            bounds, replicas = getattr(self.autoscale, role), getattr(self, role).replicas
+            if self.autoscale.enabled and not bounds.min <= replicas <= bounds.max:
+                raise ConfigError(f"{role}.replicas ({replicas}) must lie within autoscale."
+                                  f"{role} [{bounds.min}, {bounds.max}]")
 
     def _check_tensor_parallel(self) -> None:
         for role in ("prefill", "decode"):
@@ -314,5 +376,6 @@ _SECTIONS: dict[str, type] = {
     "RaySection": RaySection, "ModelSection": ModelSection, "RouterSection": RouterSection,
     "ReplicasSection": ReplicasSection, "WorkersSection": WorkersSection,
     "PlacementSection": PlacementSection, "TlsSection": TlsSection,
-    "ClusterTlsSection": ClusterTlsSection,
+    "ClusterTlsSection": ClusterTlsSection, "AutoscaleSection": AutoscaleSection,
+    "RoleBounds": RoleBounds,
 }

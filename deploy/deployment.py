@@ -25,6 +25,7 @@ from deploy.config import ConfigError, DeployConfig
 
 log = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
+AUTOSCALER = "autoscaler"  # its actor is `{name}-autoscaler`
 CALL_TIMEOUT_S = 10.0
 
 
@@ -96,6 +97,8 @@ def deploy(config: DeployConfig) -> Deployment:
         infos = ray.get([w.info.remote() for w in workers], timeout=config.placement.timeout_s)
         _wait_registered(info["address"], len(workers), config.placement.timeout_s,
                          router_ca(config))
+        if config.autoscale.enabled:
+            _start_autoscaler(config, info)
     except BaseException as exc:
         try:
             teardown(config)
@@ -140,9 +143,15 @@ def _placement_groups(config: DeployConfig) -> dict[str, WorkerPlace]:
 
 
 def group_names(config: DeployConfig) -> list[str]:
-    return [f"{config.name}-pg"] + [f"{config.name}-{worker_id}-pg"
-                                    for role, worker_id in config.worker_names
-                                    if config.tp_for(role) > 1]
+    """The deployment's placement groups: its first workers' and those of every worker with a
+    group of its own (tensor-parallel, or added by the autoscaler)."""
+    named = {f"{config.name}-pg"} | {f"{config.name}-{worker_id}-pg"
+                                     for role, worker_id in config.worker_names
+                                     if config.tp_for(role) > 1}
+    named |= {g["name"] for g in ray.util.placement_group_table().values()
+              if g["name"].startswith(f"{config.name}-") and g["name"].endswith("-pg")
+              and g["state"] != "REMOVED"}
+    return sorted(named)
 
 
 def _ready_group(config: DeployConfig, name: str, bundles: int, strategy: str) -> Any:
@@ -165,6 +174,15 @@ def _start_router(config: DeployConfig) -> Any:
         resources={HEAD_RESOURCE: 0.001},
     ).remote(section.host, section.port, config.model.path, section.max_running,
              section.max_queued, section.http_port, config.credentials, section.internal_port)
+
+
+def _start_autoscaler(config: DeployConfig, router: dict[str, Any]) -> Any:
+    from deploy.autoscaler import AutoscalerActor
+
+    return ray.remote(AutoscalerActor).options(
+        name=f"{config.name}-{AUTOSCALER}", namespace=config.ray.namespace, lifetime="detached",
+        max_restarts=-1, max_concurrency=4, num_cpus=0, resources={HEAD_RESOURCE: 0.001},
+    ).remote(config, router)
 
 
 def _start_worker(config: DeployConfig, place: WorkerPlace, role: str, worker_id: str,
@@ -211,8 +229,14 @@ def _wait_registered(router_address: str, count: int, timeout_s: float,
 
 
 def actor_names(config: DeployConfig) -> list[str]:
-    return [f"{config.name}-{worker_id}" for _, worker_id in config.worker_names] + \
-        [f"{config.name}-router"]
+    """The autoscaler (if any), every worker (the config's and those the autoscaler added),
+    the router last."""
+    named = {f"{config.name}-{worker_id}" for _, worker_id in config.worker_names}
+    prefixes = tuple(f"{config.name}-{role}-" for role in ("prefill", "decode"))
+    named |= {n for n in ray.util.list_named_actors() if n.startswith(prefixes)}
+    scaler = [f"{config.name}-{AUTOSCALER}"] if config.autoscale.enabled or \
+        f"{config.name}-{AUTOSCALER}" in ray.util.list_named_actors() else []
+    return scaler + sorted(named) + [f"{config.name}-router"]
 
 
 def _existing(config: DeployConfig) -> list[str]:
@@ -233,9 +257,12 @@ def teardown(config: DeployConfig, timeout_s: float | None = None) -> list[str]:
     timeout_s = timeout_s or config.workers.grace_s + CALL_TIMEOUT_S
     found = [(name, actor) for name in actor_names(config)
              if (actor := _actor(config, name)) is not None]
-    workers = [actor for name, actor in found if not name.endswith("-router")]
+    scalers = [actor for name, actor in found if name.endswith(f"-{AUTOSCALER}")]
+    workers = [actor for name, actor in found if not name.endswith(("-router", AUTOSCALER))]
     routers = [actor for name, actor in found if name.endswith("-router")]
-    for group in (workers, routers):  # the router last: it serves until the workers drained
+    # The autoscaler first (it adds no worker meanwhile), the router last (it serves until the
+    # workers drained).
+    for group in (scalers, workers, routers):
         stops = [actor.stop.remote() for actor in group]
         ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for actor in group:
@@ -267,7 +294,10 @@ def status(config: DeployConfig) -> dict[str, Any]:
     nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"], "alive": n["Alive"],
               "resources": n["Resources"]} for n in ray.nodes()]
     actors = []
-    for name in actor_names(config):
+    names = actor_names(config)
+    for name in names:
+        if name.endswith(f"-{AUTOSCALER}"):
+            continue
         actor = _actor(config, name)
         if actor is None:
             actors.append({"name": name, "state": "absent"})
@@ -287,7 +317,23 @@ def status(config: DeployConfig) -> dict[str, Any]:
                                                   root_ca=router_ca(config)).workers]
         except Exception as exc:  # reported, not raised: status must show a broken cluster
             registered = [{"error": f"router not answering: {exc}"}]
-    return {"name": config.name, "nodes": nodes, "actors": actors, "registered": registered}
+    return {"name": config.name, "nodes": nodes, "actors": actors, "registered": registered,
+            "autoscaler": _autoscaler_report(config, names)}
+
+
+def _autoscaler_report(config: DeployConfig, names: list[str]) -> dict[str, Any] | None:
+    """The autoscaler's last decisions with their inputs (None: the deployment has none)."""
+    name = f"{config.name}-{AUTOSCALER}"
+    if name not in names:
+        return None
+    actor = _actor(config, name)
+    if actor is None:
+        return {"state": "absent", "decisions": []}
+    try:
+        decisions = ray.get(actor.decisions.remote(), timeout=CALL_TIMEOUT_S)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+        return {"state": f"not answering ({type(exc).__name__})", "decisions": []}
+    return {"state": "alive", "dry_run": config.autoscale.dry_run, "decisions": decisions[-20:]}
 
 
 def _role_name(pb: Any, role: int) -> str:

@@ -33,6 +33,10 @@ def build(cls: type, data: Any, sections: dict[str, type], prefix: str = "") -> 
 def _typed(key: str, value: Any, kind: str) -> Any:
     if value is None and "None" in kind:
         return None
+    if kind.startswith("bool"):
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
     if "float" in kind and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if "int" in kind and isinstance(value, int) and not isinstance(value, bool):

@@ -381,6 +381,22 @@ class ClusterStatus(_message.Message):
     http_address: str
     def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
 
+class SetLocalPrefillRequest(_message.Message):
+    __slots__ = ("mode", "max_tokens")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    max_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class SetLocalPrefillResponse(_message.Message):
+    __slots__ = ("mode", "max_tokens")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    max_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "undo")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -419,6 +419,11 @@ class RouterAdminStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.SetLocalPrefill = channel.unary_unary(
+                '/pdserve.v1.RouterAdmin/SetLocalPrefill',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.SetLocalPrefillRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.SetLocalPrefillResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -433,6 +438,14 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLocalPrefill(self, request, context):
+        """Whether decode workers prefill short prompts themselves (the router's --local-prefill and
+        --local-prefill-max-tokens), changed at run time (the autoscaler flips it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -440,6 +453,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'SetLocalPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLocalPrefill,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.SetLocalPrefillRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.SetLocalPrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -470,6 +488,33 @@ class RouterAdmin:
             '/pdserve.v1.RouterAdmin/DrainWorker',
             pdserve__proto_dot_pdserve__pb2.DrainWorkerRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLocalPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.RouterAdmin/SetLocalPrefill',
+            pdserve__proto_dot_pdserve__pb2.SetLocalPrefillRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.SetLocalPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -128,8 +128,9 @@ class Router:
                                    policy=options.queue_policy,
                                    age_bound_s=options.queue_age_bound_s)
         stubs = WorkerStubs()
+        self.sites = PrefillSitePolicy(options.local_prefill)
         self.orchestrator = Orchestrator(self.placement, stubs, self.metrics, options.lease_s,
-                                         sites=PrefillSitePolicy(options.local_prefill))
+                                         sites=self.sites)
         self.moves = MoveTrigger(self.registry, self.orchestrator.streams,
                                  MovePolicy(options.rebalance), stubs, options.lease_s)
         self.metrics.watch(lambda: self.admission.queued, lambda: self.admission.running,
@@ -172,7 +173,7 @@ class Router:
         """The public port (Generation, and the registry unless it has its own port)."""
         registry = WorkerRegistryServicer(self.registry, self.model_name,
                                           self.options.heartbeat_interval_s)
-        admin = RouterAdminServicer(self.registry, self.orchestrator.streams.count)
+        admin = RouterAdminServicer(self.registry, self.orchestrator.streams.count, self.sites)
         add_registry = [lambda s: pb_grpc.add_WorkerRegistryServicer_to_server(registry, s),
                         lambda s: pb_grpc.add_RouterAdminServicer_to_server(admin, s)]
         apart = self.options.internal_port is not None

@@ -119,6 +119,17 @@ def test_tensor_parallel_size_per_role():
     ({"router": {"port": 50051, "internal_port": 50051}},
      "router.internal_port must be in \\[1, 65535\\] and differ from router.port"),
     ({"cluster_token_file": ""}, "cluster_token_file must be a path"),
+    ({"autoscale": {"enabled": "yes"}}, "autoscale.enabled must be true or false"),
+    ({"autoscale": {"decode": {"min": 0, "max": 2}}},
+     "autoscale.decode needs 1 <= min <= max <= 64 \\(the last worker of a role never goes\\)"),
+    ({"autoscale": {"enabled": True, "decode": {"min": 2, "max": 3}}},
+     "decode.replicas \\(1\\) must lie within autoscale.decode \\[2, 3\\]"),
+    ({"autoscale": {"interval_s": 0}}, "autoscale.interval_s must be in \\(0, 3600\\]"),
+    ({"autoscale": {"kv_high": 1.5}}, "kv_high in \\(0, 1\\]"),
+    ({"autoscale": {"profile": "p.json"}}, "autoscale.profile and autoscale.workload go together"),
+    ({"autoscale": {"slo_file": "no-such.yaml"}},
+     "autoscale.slo_file 'no-such.yaml' is not a file"),
+    ({"autoscale": {"prefill": {"mn": 1}}}, "unknown key autoscale.prefill.mn"),
 ])
 def test_mistakes_are_errors_naming_the_key(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -24,7 +24,7 @@ ALLOWED = {
     "cli": {"router", "launch", "planner", "common", "security", "serving", "engine"},
     # engine: a tensor-parallel rank's body (engine.tp_ranks.rank_main), run in a rank actor
     "deploy": {"router", "prefill_worker", "decode_worker", "serving", "common", "security",
-               "engine"},
+               "engine", "planner", "loadtest"},
     "loadtest": {"engine", "launch", "common"},
 }
 PROJECT_PACKAGES = set(ALLOWED) | {"benchmarks", "pdserve_proto"}

@@ -1,0 +1,104 @@
+"""What the autoscaler reads each interval: the router's Prometheus metrics (TTFT and inter-token
+histograms, requests ended) as differences since the last read, and its cluster status (queue,
+workers, KV use, prefill backlog) as it is now. No ray: the percentiles are plain functions of
+bucket counts."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.client import cluster_status
+from deploy.scaling import Signals
+from loadtest.slo import SLO
+from pdserve_proto import pdserve_pb2 as pb
+
+TTFT = "pdserve_router_ttft_seconds"
+ITL = "pdserve_router_inter_token_latency_seconds"
+REQUESTS = "pdserve_router_requests_total"
+ROLE_NAMES = {pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
+
+Counts = dict[str, dict[float, float]]  # histogram -> upper bound -> cumulative count
+
+
+def parse_metrics(text: str) -> tuple[Counts, float]:
+    """The TTFT and ITL histograms' cumulative buckets, and the requests ended so far."""
+    buckets: Counts = {TTFT: {}, ITL: {}}
+    ended = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_bucket")
+            if sample.name.endswith("_bucket") and name in buckets:
+                buckets[name][float(sample.labels["le"])] = sample.value
+            elif sample.name == REQUESTS:
+                ended += sample.value
+    return buckets, ended
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative `buckets` (upper bound -> count): linear
+    within the bucket the rank falls in; None when empty; the last finite bound past it."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def _delta(now: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
+    return {bound: count - before.get(bound, 0.0) for bound, count in now.items()}
+
+
+class RouterSignals:
+    def __init__(self, router_address: str, metrics_address: str, slo: SLO,
+                 root_ca: bytes | None = None, clock: Callable[[], float] = time.monotonic):
+        self.router_address = router_address
+        self.metrics_address = metrics_address
+        self.slo = slo
+        self.root_ca = root_ca
+        self._clock = clock
+        self._last: tuple[float, Counts, float] | None = None
+
+    def read(self, timeout_s: float = 5.0) -> Signals:
+        url = f"http://{self.metrics_address}/metrics"
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            buckets, ended = parse_metrics(reply.read().decode())
+        status = cluster_status(self.router_address, timeout_s, self.root_ca)
+        now = self._clock()
+        last, self._last = self._last, (now, buckets, ended)
+        then, before, ended_before = last if last is not None else (now, {}, ended)
+        window = {name: _delta(counts, before.get(name, {})) for name, counts in buckets.items()}
+        return Signals(
+            ttft_ms=_ms(quantile(self.slo.ttft.percentile / 100, window[TTFT])),
+            itl_ms=_ms(quantile(self.slo.itl.percentile / 100, window[ITL])),
+            request_rate=(ended - ended_before) / (now - then) if now > then else 0.0,
+            **cluster_now(status))
+
+
+def cluster_now(status: pb.ClusterStatus) -> dict[str, object]:
+    """The Signals fields that come from the router's cluster status."""
+    taking = [w for w in status.workers if w.healthy and not w.draining]
+    decoders = [w for w in taking if w.role == pb.WORKER_ROLE_DECODE and w.total_blocks]
+    workers = {role: sum(w.role == code for w in taking) for code, role in ROLE_NAMES.items()}
+    return {"queued": status.queued_requests,
+            "prefill_backlog_tokens": sum(w.queued_prompt_tokens for w in taking
+                                          if w.role == pb.WORKER_ROLE_PREFILL),
+            "kv_use": sum(1 - w.free_blocks / w.total_blocks for w in decoders)
+            / len(decoders) if decoders else 0.0,
+            "workers": workers}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
