@@ -50,28 +50,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
-        admission_s = 0.0
-        try:
-            if request.resume:
-                outputs = self.worker.resume(rid)
-            elif request.HasField("first_token_id"):
-                first_lp = (logprob_from_proto(request.first_logprob)
-                            if request.HasField("first_logprob") else None)
-                admission_s, outputs = self.worker.admit(rid, request.first_token_id, first_lp,
-                                                         request.forks)
-            else:
-                self.gate.check_new(context, "Decode")
-                outputs = self.worker.generate(rid, list(request.prompt_token_ids),
-                                               sampling_from_proto(request.sampling),
-                                               request.forks, request.fork_of)
-        except KeyError as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
-        except ValueError as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
-            self.gate.reject(context, "Decode", grpc.StatusCode.ABORTED, str(exc))
+        admission_s, outputs = self._outputs(request, context)
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op. A paused request stays parked: it moves.
         paused = False
@@ -90,6 +69,31 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         except RuntimeError as exc:
             context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended: {exc}")
+
+    def _outputs(self, request: pb.DecodeRequest, context: grpc.ServicerContext
+                 ) -> tuple[float, Iterator[RequestOutput | Paused]]:
+        """The request's outputs: resumed, admitted after its KV arrived, or a whole generation
+        (and, admitted, the seconds until it joined the batch)."""
+        rid = request.request_id
+        try:
+            if request.resume:
+                return 0.0, self.worker.resume(rid)
+            if request.HasField("first_token_id"):
+                first_lp = (logprob_from_proto(request.first_logprob)
+                            if request.HasField("first_logprob") else None)
+                return self.worker.admit(rid, request.first_token_id, first_lp, request.forks)
+            self.gate.check_new(context, "Decode")
+            return 0.0, self.worker.generate(rid, list(request.prompt_token_ids),
+                                             sampling_from_proto(request.sampling),
+                                             request.forks, request.fork_of)
+        except KeyError as exc:
+            self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
+        except ValueError as exc:
+            self.gate.reject(context, "Decode", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            self.gate.reject(context, "Decode", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
+            self.gate.reject(context, "Decode", grpc.StatusCode.ABORTED, str(exc))
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:

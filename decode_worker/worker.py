@@ -198,7 +198,14 @@ class DecodeWorker:
         def take(engine: LLMEngine) -> list[int]:
             return _blocks_to_send(engine, self.departures, request_id, descriptor)
 
-        blocks = self.loop.call(take, COMMAND_TIMEOUT_S)
+        def shipped() -> None:  # posted: it must happen even when the loop is slow to answer
+            self.loop.post(lambda e: self.departures.shipped(e, request_id))
+
+        try:
+            blocks = self.loop.call(take, COMMAND_TIMEOUT_S)
+        except TimeoutError:  # `take` may have run after all: the request is then shipping
+            shipped()
+            raise
         started = time.perf_counter()
         try:
             send = connector.begin(transfer)
@@ -208,7 +215,7 @@ class DecodeWorker:
             self.metrics.transfer_failed("sent", transport)
             raise
         finally:  # acknowledged or failed: nothing reads its blocks any more
-            self.loop.call(lambda e: self.departures.shipped(e, request_id), COMMAND_TIMEOUT_S)
+            shipped()
         stats = TransferStats(sent.num_bytes, time.perf_counter() - started, sent.transport)
         self.metrics.transfer("sent", stats.num_bytes, stats.seconds, stats.transport)
         return stats

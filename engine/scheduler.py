@@ -366,7 +366,8 @@ class Scheduler:
             stop = request.check_stop(text)
             if stop:
                 self.finish(request, request.finish_reason or FinishReason.STOP)
-            elif self.release_window is not None and self.config.release_passed_blocks:
+            elif self.release_window is not None and self.config.release_passed_blocks \
+                    and request.status is RequestStatus.RUNNING:  # a paused one moves whole
                 self._release_passed(request, self.release_window)
             updates.append(RequestUpdate(request, [token], text, stop))
         return updates

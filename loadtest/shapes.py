@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SHAPES = ("constant", "ramp", "step", "burst")
+SHAPES = ("constant", "ramp", "step", "burst", "pulse")
 MAX_USERS = 256  # every load run is bounded
 
 
@@ -42,6 +42,9 @@ def users_at(spec: ShapeSpec, t: float) -> tuple[int, float] | None:
     elif spec.kind == "step":
         step = math.floor(spec.steps * t / spec.duration_s) + 1
         users = math.ceil(spec.users * step / spec.steps)
+    elif spec.kind == "pulse":  # a quarter of the users, all of them for the middle third
+        high = spec.duration_s / 3 <= t < 2 * spec.duration_s / 3
+        users = spec.users if high else max(1, spec.users // 4)
     else:  # burst: a quarter of the users, and all of them during each burst window
         in_burst = (t % spec.burst_period_s) >= spec.burst_period_s - spec.burst_s
         users = spec.users if in_burst else max(1, spec.users // 4)

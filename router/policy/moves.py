@@ -108,6 +108,7 @@ class MovePolicy:
                 continue
             excess = site.used_blocks - int(self.config.target * site.total_blocks)
             growing = sorted(by_worker.get(site.worker_id, []), key=lambda s: -s.remaining)
+            before = len(moves)
             for stream in growing:
                 if excess <= 0:
                     break
@@ -119,6 +120,6 @@ class MovePolicy:
                 room[to.worker_id] -= blocks
                 excess -= blocks
                 moves.append(Move(stream.request_id, site.worker_id, "rebalance"))
-            if moves:
+            if len(moves) > before:
                 self._rebalanced_at[site.worker_id] = now + self.config.cooldown_s
         return moves

@@ -15,7 +15,6 @@ from router.policy.moves import LiveStream
 REFUSED_BACKOFF_S = 2.0  # a stream its worker would not pause is not asked again this soon
 
 
-
 class LiveStreams:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

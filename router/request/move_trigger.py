@@ -17,7 +17,7 @@ from router.request.live_streams import LiveStreams
 from router.request.worker_client import WorkerStubs
 
 log = logging.getLogger(__name__)
-PAUSE_TIMEOUT_S = 5.0
+PAUSE_TIMEOUT_S = 35.0  # beyond the worker's own bound on a loop command (30 s)
 
 
 class MoveTrigger:

@@ -29,6 +29,7 @@ from router.request.worker_client import WorkerStubs
 
 log = logging.getLogger(__name__)
 LEASE_MARGIN_S = 5.0
+RESUMED_HOLD_S = 5.0  # a request that found nowhere to go is not asked to move again this soon
 
 
 @dataclass
@@ -42,6 +43,7 @@ class StreamSite:
     last_logprob: pb.TokenLogprob | None = None
     last_token_at: float = 0.0  # time.monotonic() of the last token streamed
     paused_at: float = 0.0  # the last token's time before a pause; 0 while streaming
+    hold_until: float = 0.0  # time.monotonic() before which no move is asked of it again
 
     def note_tokens(self, token_ids: list[int], logprobs: list[pb.TokenLogprob]) -> float:
         """Tokens streamed; the seconds the stream stood still for a move before them."""
@@ -82,10 +84,12 @@ class LiveMover:
         target = self._target(part, site, scope)
         if target is None:
             self.metrics.live_migrations.labels(cause, "resumed").inc()
+            site.hold_until = time.monotonic() + RESUMED_HOLD_S
             return pb.DecodeRequest(request_id=part.worker_request_id, resume=True)
         site.holders.append((target.worker, "decode"))
         reply = self._migrate_out(part, site, target, cause, scope)
-        site.holders.remove((source, "decode"))
+        # The source freed it (a decode stream, or a sample that forked there).
+        site.holders[:] = [h for h in site.holders if h[0] is not source]
         site.worker = target.worker
         end.live_migrations += 1
         end.live_migration_bytes += reply.kv_transfer_bytes

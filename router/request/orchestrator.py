@@ -348,7 +348,8 @@ class Orchestrator:
         self.streams.open(LiveStream(
             rid, worker.worker_id, len(part.token_ids) + len(site.emitted),
             part.params.max_tokens - len(site.emitted),
-            movable=worker.role is Role.DECODE and part.params.structured_output is None))
+            movable=worker.role is Role.DECODE and part.params.structured_output is None,
+            not_before=site.hold_until))
         try:
             call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
             with scope.watching(worker.worker_id, call, f"decode on {worker.worker_id}"):

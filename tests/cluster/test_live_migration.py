@@ -198,18 +198,50 @@ def test_a_target_killed_mid_move_makes_the_request_recompute_once(cluster, refe
     _assert_no_leak(cluster)
 
 
+def _choices(cluster, request: pb.GenerateRequest, counts: list[int]) -> Future:
+    """Stream a request of n choices in the background: its future is {index: (tokens, last
+    message)}; `counts[0]` follows the tokens received."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            out: dict[int, tuple[list[int], pb.GenerateResponse]] = {}
+            with channel(cluster.address) as ch:
+                for part in pb_grpc.GenerationStub(ch).Generate(request, timeout=300):
+                    tokens, _ = out.get(part.index, ([], part))
+                    tokens.extend(part.token_ids)
+                    out[part.index] = (tokens, part)
+                    counts[0] += len(part.token_ids)
+            future.set_result(out)
+        except BaseException as exc:  # handed to the test
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
 @pytest.mark.parametrize("cluster", ["shared"], indirect=True)
 def test_an_operator_drain_moves_requests_and_undo_places_again(cluster, reference, capsys):
-    futures, counts = _streams(cluster, [greedy_request(PROMPT, TOKENS)])
-    wait_until(lambda: counts[0] >= 5, 120.0, "the stream under way")
-    (victim,) = [w.worker_id for w in cluster.status().workers
-                 if w.role == pb.WORKER_ROLE_DECODE and w.running_requests]
+    """Two samples of one prompt (the second forked from the first's KV there) move together."""
+    request = greedy_request(PROMPT, TOKENS)
+    request.n = 2
+    counts = [0]
+    future = _choices(cluster, request, counts)
+    wait_until(lambda: counts[0] >= 10, 120.0, "the samples under way")
+    busy: list[str] = []
+    wait_until(lambda: bool(busy.extend(w.worker_id for w in cluster.status().workers
+                                        if w.role == pb.WORKER_ROLE_DECODE
+                                        and w.running_requests) or busy), 10.0,
+               "the decode worker's report")
+    (victim,) = set(busy)
     moved = _moved(cluster, "operator")
     assert router_cli(["drain", victim, "--router", cluster.address]) == 0
     assert f"{victim}: draining" in capsys.readouterr().out
-    tokens, last = futures[0].result(timeout=300)
-    assert tokens == reference["greedy"] and last.timings.live_migrations == 1
-    assert _moved(cluster, "operator") == moved + 1
+    choices = future.result(timeout=300)
+    assert [choices[i][0] for i in (0, 1)] == [reference["greedy"]] * 2
+    assert [choices[i][1].timings.live_migrations for i in (0, 1)] == [1, 1]
+    assert choices[1][1].timings.prefill_site == "fork"
+    assert _moved(cluster, "operator") == moved + 2
     assert worker_status(cluster, victim).draining
     assert router_cli(["drain", victim, "--router", cluster.address, "--undo"]) == 0
     assert not worker_status(cluster, victim).draining

@@ -46,7 +46,7 @@ def test_verdict_per_entry():
 
 
 def test_shapes_stay_within_their_bounds_and_end():
-    for kind in ("constant", "ramp", "step", "burst"):
+    for kind in ("constant", "ramp", "step", "burst", "pulse"):
         spec = ShapeSpec(kind, users=8, spawn_rate=2, duration_s=40, burst_period_s=10,
                          burst_s=2)
         counts = [users_at(spec, t)[0] for t in range(40)]
@@ -59,6 +59,8 @@ def test_shapes_stay_within_their_bounds_and_end():
     burst = [users_at(ShapeSpec("burst", 8, duration_s=40, burst_period_s=10, burst_s=2), t)[0]
              for t in range(10)]
     assert burst == [2] * 8 + [8, 8]
+    pulse = [users_at(ShapeSpec("pulse", 8, duration_s=30), t)[0] for t in range(30)]
+    assert pulse == [2] * 10 + [8] * 10 + [2] * 10  # up for the middle third, then down
 
 
 def test_shapes_refuse_unbounded_or_unknown_load():
