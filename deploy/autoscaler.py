@@ -16,6 +16,7 @@ Every decision is kept with its inputs (the last DECISIONS_KEPT) for `deploy sta
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 DECISIONS_KEPT = 200
+SAMPLES_PER_INTERVAL = 4  # cluster-status looks averaged into each decision
 RPC_TIMEOUT_S = 10.0
 
 
@@ -77,10 +79,12 @@ class Autoscaler:
         self.policy = ScalingPolicy(
             slo, {r: Bounds(getattr(section, r).min, getattr(section, r).max)
                   for r in ("prefill", "decode")},
-            section.cooldown_s, section.scale_down_below, section.kv_high, split)
+            section.cooldown_s, section.scale_down_below, section.kv_high, split,
+            scale_down_window_s=section.scale_down_window_s)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=DECISIONS_KEPT)
         self.added: list[tuple[str, str]] = []  # (role, worker id), oldest first
+        self._started: dict[str, float] = {}  # added, not registered yet -> when
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
 
@@ -91,7 +95,17 @@ class Autoscaler:
         self._stopped.set()
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.config.autoscale.interval_s):
+        step = self.config.autoscale.interval_s / SAMPLES_PER_INTERVAL
+        while True:
+            for _ in range(SAMPLES_PER_INTERVAL - 1):
+                if self._stopped.wait(step):
+                    return
+                try:
+                    self.signals.sample()
+                except Exception as exc:  # the read at the interval's end says it again
+                    log.debug("autoscaler sample failed: %s", exc)
+            if self._stopped.wait(step):
+                return
             try:
                 self.tick()
             except Exception as exc:  # the router restarting, say: try again next interval
@@ -99,7 +113,9 @@ class Autoscaler:
                 self.decisions.append({"time": time.time(), "error": str(exc)})
 
     def tick(self) -> dict[str, Any]:
-        signals = self.signals.read()
+        read = self.signals.read()
+        self._give_up_stuck(read.registered)
+        signals = self._with_starting(read)
         decision = self.policy.decide(signals)
         record: dict[str, Any] = {"time": time.time(), "inputs": _inputs(signals),
                                   **decision.as_dict(),
@@ -111,11 +127,19 @@ class Autoscaler:
         self.decisions.append(record)
         return record
 
+    def _with_starting(self, signals: Signals) -> Signals:
+        """Workers added but not registered yet count too: they are on their way."""
+        workers = dict(signals.workers)
+        for role, worker_id in self.added:
+            if worker_id not in signals.registered:
+                workers[role] = workers.get(role, 0) + 1
+        return dataclasses.replace(signals, workers=workers)
+
     def _apply(self, decision: Decision) -> str:
         if decision.local_prefill is not None:
-            with self._admin() as admin:
-                admin.SetLocalPrefill(pb.SetLocalPrefillRequest(mode=decision.local_prefill),
-                                      timeout=RPC_TIMEOUT_S)
+            with self._admin() as channel:
+                pb_grpc.RouterAdminStub(channel).SetLocalPrefill(
+                    pb.SetLocalPrefillRequest(mode=decision.local_prefill), timeout=RPC_TIMEOUT_S)
         if decision.action == "add":
             return self._add(decision.role)
         if decision.action == "remove":
@@ -126,16 +150,40 @@ class Autoscaler:
         return internal_channel(self.router["registry_address"], self.root_ca)
 
     def _add(self, role: str) -> str:
-        from deploy.deployment import WorkerPlace, _ready_group, _start_worker
+        """Ask Ray for the worker's resources and start it there once they exist (without
+        waiting: a Ray autoscaler may take minutes to add a node)."""
+        from ray.util.placement_group import placement_group
+
+        from deploy.deployment import WorkerPlace, _start_worker
 
         worker_id = self._next_id(role)
         name = f"{self.config.name}-{worker_id}-pg"
-        group = _ready_group(self.config, name, self.config.tp_for(role), "STRICT_PACK")
-        _start_worker(self.config, WorkerPlace(group, 0, name if self.config.tp_for(role) > 1
-                                               else None), role, worker_id,
-                      self.router["registry_address"])
+        ranks = self.config.tp_for(role)
+        group = placement_group([self.config.workers.bundle] * ranks, strategy="STRICT_PACK",
+                                name=name, lifetime="detached")
+        _start_worker(self.config, WorkerPlace(group, 0, name if ranks > 1 else None), role,
+                      worker_id, self.router["registry_address"])
         self.added.append((role, worker_id))
+        self._started[worker_id] = time.monotonic()
         return worker_id
+
+    def _give_up_stuck(self, registered: frozenset[str]) -> None:
+        """A worker added but not registered within placement.timeout_s (no resources came):
+        its actor and placement group go, so it asks Ray for nothing more."""
+        now = time.monotonic()
+        for role, worker_id in list(self.added):
+            if worker_id in registered:
+                self._started.pop(worker_id, None)
+                continue
+            if now - self._started.get(worker_id, now) < self.config.placement.timeout_s:
+                continue
+            log.warning("%s did not register within %.0fs: given up", worker_id,
+                        self.config.placement.timeout_s)
+            self._stop_actor(worker_id, wait=False)
+            self.added.remove((role, worker_id))
+            self.decisions.append({"time": time.time(), "error": f"{worker_id} did not "
+                                   f"register within {self.config.placement.timeout_s:g}s; "
+                                   "given up"})
 
     def _next_id(self, role: str) -> str:
         taken = {name for name in ray.util.list_named_actors()}
@@ -150,15 +198,24 @@ class Autoscaler:
             pb_grpc.RouterAdminStub(channel).DrainWorker(
                 pb.DrainWorkerRequest(worker_id=worker_id), timeout=RPC_TIMEOUT_S)
         self._wait_empty(worker_id)
-        actor = ray.get_actor(f"{self.config.name}-{worker_id}")
-        ray.get(actor.stop.remote(), timeout=self.config.workers.grace_s + RPC_TIMEOUT_S)
-        ray.kill(actor, no_restart=True)
+        self._stop_actor(worker_id, wait=True)
+        self.added = [a for a in self.added if a[1] != worker_id]
+        return worker_id
+
+    def _stop_actor(self, worker_id: str, wait: bool) -> None:
+        """Drain and stop a worker's actor (`wait`), kill it, remove its own placement group."""
+        try:
+            actor = ray.get_actor(f"{self.config.name}-{worker_id}")
+        except ValueError:
+            actor = None
+        if actor is not None:
+            if wait:
+                ray.get(actor.stop.remote(), timeout=self.config.workers.grace_s + RPC_TIMEOUT_S)
+            ray.kill(actor, no_restart=True)
         try:
             remove_placement_group(get_placement_group(f"{self.config.name}-{worker_id}-pg"))
         except ValueError:  # one of the deployment's first workers: its bundle stays reserved
             pass
-        self.added = [a for a in self.added if a[1] != worker_id]
-        return worker_id
 
     def _victim(self, role: str) -> str:
         """The newest worker this autoscaler added, else the last-named one of the role."""

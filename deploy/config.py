@@ -55,7 +55,8 @@ Schema (every key optional except where noted; unknown keys are errors):
       prefill: {min: 1, max: 1}  # bounds per role (min >= 1: the last worker never goes)
       decode: {min: 1, max: 1}
       scale_down_below: 0.5    # every latency under this share of its SLO bound, no queue, KV
-                               # use under kv_high / 2: one worker goes (drained by migration)
+                               # use under kv_high / 2 ...
+      scale_down_window_s: 60  # ... for this long: one worker goes (drained by migration)
       kv_high: 0.85            # decode workers' mean KV use above this adds a decode worker
       profile: null            # a worker's speed (python -m engine.profile): with `workload`,
       workload: null           # the planner's model picks which role to add or remove
@@ -264,6 +265,7 @@ class AutoscaleSection:
     prefill: RoleBounds = field(default_factory=RoleBounds)
     decode: RoleBounds = field(default_factory=RoleBounds)
     scale_down_below: float = 0.5
+    scale_down_window_s: float = 60.0
     kv_high: float = 0.85
     profile: str | None = None
     workload: str | None = None
@@ -278,6 +280,9 @@ class AutoscaleSection:
                 raise ConfigError(f"autoscale.{role} needs 1 <= min <= max <= {MAX_REPLICAS} "
                                   f"(the last worker of a role never goes), got min "
                                   f"{bounds.min}, max {bounds.max}")
+        if not 0 <= self.scale_down_window_s <= 86400:
+            raise ConfigError(f"autoscale.scale_down_window_s must be in [0, 86400], got "
+                              f"{self.scale_down_window_s}")
         if not 0 < self.scale_down_below < 1 or not 0 < self.kv_high <= 1:
             raise ConfigError(f"autoscale.scale_down_below must be in (0, 1) and kv_high in "
                               f"(0, 1], got {self.scale_down_below} and {self.kv_high}")

@@ -32,7 +32,8 @@ class Signals:
     queued: int  # requests waiting in the router for a slot, now
     prefill_backlog_tokens: int  # prompt tokens queued on the prefill workers, now
     kv_use: float  # the decode workers' mean share of KV blocks in use, now
-    workers: dict[str, int]  # role -> workers taking work (not draining)
+    workers: dict[str, int]  # role -> workers taking work (not draining), or starting
+    registered: frozenset[str] = frozenset()  # every worker id the router knows
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,15 @@ class ScalingPolicy:
     def __init__(self, slo: SLO, bounds: dict[str, Bounds], cooldown_s: float,
                  scale_down_below: float = 0.5, kv_high: float = 0.85,
                  split_score: SplitScore | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, scale_down_window_s: float = 0.0):
         self.slo = slo
         self.bounds = bounds
         self.cooldown_s = cooldown_s
         self.scale_down_below = scale_down_below
+        # A worker goes only once the load stayed low this long (as Kubernetes' autoscaler
+        # stabilizes scale-down): one quiet reading between bursts must not remove one.
+        self.scale_down_window_s = scale_down_window_s
+        self._low_since: float | None = None
         self.kv_high = kv_high
         self.split_score = split_score
         self._clock = clock
@@ -80,6 +85,8 @@ class ScalingPolicy:
         decode_bound = itl > 1 or s.kv_use > self.kv_high
         prefill_bound = ttft > 1 or s.queued > 0
         flip = self._flip(decode_bound, prefill_bound)
+        if decode_bound or prefill_bound:
+            self._low_since = None
         if self._clock() - self._changed_at < self.cooldown_s:
             return Decision("hold", "", "cooling down after the last change", flip)
         if decode_bound or prefill_bound:
@@ -89,7 +96,10 @@ class ScalingPolicy:
                                 "at its max", flip)
             return Decision("add", role, _why(s, ttft, itl, self.kv_high), flip)
         low = self.scale_down_below
-        if ttft < low and itl < low and s.queued == 0 and s.kv_use < self.kv_high / 2:
+        quiet = ttft < low and itl < low and s.queued == 0 and s.kv_use < self.kv_high / 2
+        now = self._clock()
+        self._low_since = (self._low_since or now) if quiet else None
+        if quiet and now - self._low_since >= self.scale_down_window_s:
             role = self._role_to_remove(s)
             if role is not None:
                 return Decision("remove", role, f"TTFT at {ttft:.0%} and ITL at {itl:.0%} of "

@@ -1,13 +1,15 @@
 """What the autoscaler reads each interval: the router's Prometheus metrics (TTFT and inter-token
 histograms, requests ended) as differences since the last read, and its cluster status (queue,
-workers, KV use, prefill backlog) as it is now. No ray: the percentiles are plain functions of
-bucket counts."""
+workers, KV use, prefill backlog) averaged over the samples taken during the interval (one
+reading of KV use swings with every request that starts or ends). No ray: the percentiles are
+plain functions of bucket counts."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,12 +72,19 @@ class RouterSignals:
         self.root_ca = root_ca
         self._clock = clock
         self._last: tuple[float, Counts, float] | None = None
+        self._samples: list[dict[str, Any]] = []
+
+    def sample(self, timeout_s: float = 5.0) -> None:
+        """Take one look at the cluster status (the next `read` averages them)."""
+        self._samples.append(cluster_now(cluster_status(self.router_address, timeout_s,
+                                                         self.root_ca)))
 
     def read(self, timeout_s: float = 5.0) -> Signals:
         url = f"http://{self.metrics_address}/metrics"
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             buckets, ended = parse_metrics(reply.read().decode())
-        status = cluster_status(self.router_address, timeout_s, self.root_ca)
+        self.sample(timeout_s)
+        samples, self._samples = self._samples, []
         now = self._clock()
         last, self._last = self._last, (now, buckets, ended)
         then, before, ended_before = last if last is not None else (now, {}, ended)
@@ -84,10 +93,19 @@ class RouterSignals:
             ttft_ms=_ms(quantile(self.slo.ttft.percentile / 100, window[TTFT])),
             itl_ms=_ms(quantile(self.slo.itl.percentile / 100, window[ITL])),
             request_rate=(ended - ended_before) / (now - then) if now > then else 0.0,
-            **cluster_now(status))
+            **averaged(samples))
 
 
-def cluster_now(status: pb.ClusterStatus) -> dict[str, object]:
+def averaged(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Queue, backlog and KV use averaged over the samples; workers as the last one saw."""
+    last = samples[-1]
+    return {**last, "queued": round(sum(s["queued"] for s in samples) / len(samples)),
+            "prefill_backlog_tokens": round(sum(s["prefill_backlog_tokens"] for s in samples)
+                                            / len(samples)),
+            "kv_use": sum(s["kv_use"] for s in samples) / len(samples)}
+
+
+def cluster_now(status: pb.ClusterStatus) -> dict[str, Any]:
     """The Signals fields that come from the router's cluster status."""
     taking = [w for w in status.workers if w.healthy and not w.draining]
     decoders = [w for w in taking if w.role == pb.WORKER_ROLE_DECODE and w.total_blocks]
@@ -97,7 +115,8 @@ def cluster_now(status: pb.ClusterStatus) -> dict[str, object]:
                                           if w.role == pb.WORKER_ROLE_PREFILL),
             "kv_use": sum(1 - w.free_blocks / w.total_blocks for w in decoders)
             / len(decoders) if decoders else 0.0,
-            "workers": workers}
+            "workers": workers,
+            "registered": frozenset(w.worker_id for w in status.workers)}
 
 
 def _ms(seconds: float | None) -> float | None:

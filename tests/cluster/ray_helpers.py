@@ -12,9 +12,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "pdserve-test"
 
 
-def tiny_config(model: Path, **sections: dict) -> DeployConfig:
+def tiny_config(model_dir: Path, /, **sections: dict) -> DeployConfig:
     data = {"name": "t", "ray": {"namespace": NAMESPACE},
-            "model": {"path": str(model), "kv_cache_gb": 0.05, "dtype": "float32"},
+            "model": {"path": str(model_dir), "kv_cache_gb": 0.05, "dtype": "float32"},
             "router": {"port": free_port(), "http_port": free_port(), "num_cpus": 0},
             "placement": {"timeout_s": 120}, "workers": {"grace_s": 5}}
     for key, value in sections.items():

@@ -121,4 +121,20 @@ def test_the_routers_metrics_and_status_become_signals():
                         draining=True, free_blocks=0, total_blocks=100)])
     now = cluster_now(status)
     assert now == {"queued": 2, "prefill_backlog_tokens": 300, "kv_use": 0.5,
-                   "workers": {"prefill": 1, "decode": 2}}
+                   "workers": {"prefill": 1, "decode": 2},
+                   "registered": frozenset({"p", "d0", "d1", "d2"})}
+
+
+def test_a_worker_goes_only_after_the_load_stayed_low_for_the_window():
+    clock = Clock()
+    p = policy(clock, scale_down_window_s=5)
+    quiet, busy = signals(ttft=10, itl=5, decode=2), signals(ttft=10, itl=5, decode=2, kv=0.5)
+    assert p.decide(quiet).action == "hold"
+    clock.now = 3
+    assert p.decide(busy).action == "hold"  # a burst: the quiet spell starts again
+    clock.now = 4
+    assert p.decide(quiet).action == "hold"
+    clock.now = 8
+    assert p.decide(quiet).action == "hold"  # quiet for 4 s
+    clock.now = 9.5
+    assert p.decide(quiet).action == "remove"
