@@ -248,7 +248,8 @@ class Autoscaler:
 
 
 def _inputs(s: Signals) -> dict[str, Any]:
-    return {"ttft_ms": s.ttft_ms, "itl_ms": s.itl_ms, "request_rate": round(s.request_rate, 3),
+    return {"ttft_ms": s.ttft_ms, "itl_ms": s.itl_ms, "queue_ms": s.queue_ms,
+            "request_rate": round(s.request_rate, 3),
             "queued": s.queued, "prefill_backlog_tokens": s.prefill_backlog_tokens,
             "kv_use": round(s.kv_use, 3), "workers": dict(s.workers)}
 

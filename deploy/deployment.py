@@ -323,17 +323,24 @@ def status(config: DeployConfig) -> dict[str, Any]:
 
 def _autoscaler_report(config: DeployConfig, names: list[str]) -> dict[str, Any] | None:
     """The autoscaler's last decisions with their inputs (None: the deployment has none)."""
-    name = f"{config.name}-{AUTOSCALER}"
-    if name not in names:
+    if f"{config.name}-{AUTOSCALER}" not in names:
         return None
-    actor = _actor(config, name)
-    if actor is None:
-        return {"state": "absent", "decisions": []}
     try:
-        decisions = ray.get(actor.decisions.remote(), timeout=CALL_TIMEOUT_S)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
-        return {"state": f"not answering ({type(exc).__name__})", "decisions": []}
+        decisions = autoscaler_decisions(config)
+    except DeployError as exc:
+        return {"state": str(exc), "decisions": []}
     return {"state": "alive", "dry_run": config.autoscale.dry_run, "decisions": decisions[-20:]}
+
+
+def autoscaler_decisions(config: DeployConfig) -> list[dict[str, Any]]:
+    """Every decision the autoscaler keeps, oldest first (DeployError: it does not answer)."""
+    actor = _actor(config, f"{config.name}-{AUTOSCALER}")
+    if actor is None:
+        raise DeployError("absent")
+    try:
+        return ray.get(actor.decisions.remote(), timeout=CALL_TIMEOUT_S)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
+        raise DeployError(f"not answering ({type(exc).__name__})") from exc
 
 
 def _role_name(pb: Any, role: int) -> str:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from loadtest.slo import SLO
 
 ROLES = ("prefill", "decode")
+QUEUE_SHARE = 0.5  # queueing before compute past this share of the TTFT bound: add capacity
 # (prefill, decode) workers, request rate -> the candidate's simulated goodput
 SplitScore = Callable[[int, int, float], float]
 
@@ -34,6 +35,9 @@ class Signals:
     kv_use: float  # the decode workers' mean share of KV blocks in use, now
     workers: dict[str, int]  # role -> workers taking work (not draining), or starting
     registered: frozenset[str] = frozenset()  # every worker id the router knows
+    # At the SLO's TTFT percentile: the time before a prompt's compute starts (the router's
+    # queue plus a prefill worker's): it grows before TTFT passes its bound
+    queue_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +86,9 @@ class ScalingPolicy:
 
     def _decide(self, s: Signals) -> Decision:
         ttft, itl = _ratio(s.ttft_ms, self.slo.ttft.max_ms), _ratio(s.itl_ms, self.slo.itl.max_ms)
+        queue = _ratio(s.queue_ms, self.slo.ttft.max_ms)
         decode_bound = itl > 1 or s.kv_use > self.kv_high
-        prefill_bound = ttft > 1 or s.queued > 0
+        prefill_bound = ttft > 1 or s.queued > 0 or queue > QUEUE_SHARE
         flip = self._flip(decode_bound, prefill_bound)
         if decode_bound or prefill_bound:
             self._low_since = None
@@ -153,6 +158,8 @@ def _ratio(value_ms: float | None, bound_ms: float) -> float:
 def _why(s: Signals, ttft: float, itl: float, kv_high: float) -> str:
     parts = [f"TTFT at {ttft:.0%} of the SLO", f"ITL at {itl:.0%}",
              f"KV use {s.kv_use:.0%} (high: {kv_high:.0%})"]
+    if s.queue_ms:
+        parts.append(f"{s.queue_ms:.0f} ms queued before compute")
     if s.queued:
         parts.append(f"{s.queued} queued in the router")
     if s.prefill_backlog_tokens:

@@ -20,6 +20,9 @@ from pdserve_proto import pdserve_pb2 as pb
 
 TTFT = "pdserve_router_ttft_seconds"
 ITL = "pdserve_router_inter_token_latency_seconds"
+PHASES = "pdserve_router_request_phase_seconds"
+# Time before a prompt's compute starts: in the router's queue, then on a prefill worker
+QUEUES = ("router_queue", "prefill_queue")
 REQUESTS = "pdserve_router_requests_total"
 ROLE_NAMES = {pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
 
@@ -27,12 +30,15 @@ Counts = dict[str, dict[float, float]]  # histogram -> upper bound -> cumulative
 
 
 def parse_metrics(text: str) -> tuple[Counts, float]:
-    """The TTFT and ITL histograms' cumulative buckets, and the requests ended so far."""
-    buckets: Counts = {TTFT: {}, ITL: {}}
+    """The TTFT, ITL and queueing phases' cumulative histogram buckets, and the requests ended
+    so far."""
+    buckets: Counts = {TTFT: {}, ITL: {}, **{phase: {} for phase in QUEUES}}
     ended = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name.removesuffix("_bucket")
+            if name == PHASES and sample.labels.get("phase") in QUEUES:
+                name = sample.labels["phase"]
             if sample.name.endswith("_bucket") and name in buckets:
                 buckets[name][float(sample.labels["le"])] = sample.value
             elif sample.name == REQUESTS:
@@ -89,7 +95,11 @@ class RouterSignals:
         last, self._last = self._last, (now, buckets, ended)
         then, before, ended_before = last if last is not None else (now, {}, ended)
         window = {name: _delta(counts, before.get(name, {})) for name, counts in buckets.items()}
+        at = self.slo.ttft.percentile / 100
+        queues = [quantile(at, window[phase]) for phase in QUEUES]
         return Signals(
+            queue_ms=_ms(sum(q or 0.0 for q in queues)) if any(q is not None for q in queues)
+            else None,
             ttft_ms=_ms(quantile(self.slo.ttft.percentile / 100, window[TTFT])),
             itl_ms=_ms(quantile(self.slo.itl.percentile / 100, window[ITL])),
             request_rate=(ended - ended_before) / (now - then) if now > then else 0.0,

@@ -3,8 +3,9 @@ the other decode worker with their KV — on SIGTERM (drain), on `pdserve drain`
 a decode worker filling up (rebalance) — and go on as if undisturbed: token-identical to the
 offline engine, no prompt computed again (the prefill worker takes no step, the router counts no
 recompute), no block left held anywhere. A target killed mid-move makes the request recompute
-once instead, with the same output. Prompts are prefilled by the prefill worker only
-(--local-prefill off), so "no recompute" is visible on it."""
+once instead, with the same output (and so does a source killed mid-move). Prompts are
+prefilled by the prefill worker only (--local-prefill off), so "no recompute" is visible on
+it."""
 
 from __future__ import annotations
 
@@ -170,8 +171,10 @@ def test_sigterm_moves_running_requests_with_their_kv(cluster, reference, on_one
     _replace_decoders(cluster, [victim])
 
 
-def test_a_target_killed_mid_move_makes_the_request_recompute_once(cluster, reference,
-                                                                  monkeypatch):
+def _kill_mid_move(cluster, reference, monkeypatch, victim_role: str) -> None:
+    """A stream on a decode worker that stalls 4 s inside each move (fault injection) is moved
+    off it by SIGTERM; the move's target (or source) is SIGKILLed meanwhile. The request must
+    recompute once, elsewhere, with the same output, and nothing may stay held."""
     spare, target = _decoders(cluster)
     _admin(cluster, spare)
     _admin(cluster, target)
@@ -186,16 +189,29 @@ def test_a_target_killed_mid_move_makes_the_request_recompute_once(cluster, refe
     process = cluster.signal(source, signal.SIGTERM)
     wait_until(lambda: worker_status(cluster, target).free_blocks
                < worker_status(cluster, target).total_blocks, 10.0, "the target's reservation")
-    cluster.signal(target, signal.SIGKILL)
-    _admin(cluster, spare, undo=True)  # where the request recomputes
+    killed = target if victim_role == "target" else source
+    cluster.signal(killed, signal.SIGKILL)
+    _admin(cluster, spare, undo=True)  # somewhere to recompute besides the target
     tokens, last = futures[0].result(timeout=300)
     assert tokens == reference["greedy"]
     assert _moved(cluster, "drain", "failed") == failed + 1
     assert _router(cluster, "pdserve_router_migrations_total{}") == recomputed + 1  # once
     assert last.timings.live_migrations == 0
-    assert process.wait(timeout=60) == 0  # the source freed the KV once the move failed
-    _replace_decoders(cluster, [source, target])
+    if killed is target:
+        assert process.wait(timeout=60) == 0  # the source freed the KV once the move failed
+    _replace_decoders(cluster, [killed] if killed is source else [source, target])
     _assert_no_leak(cluster)
+
+
+def test_a_target_killed_mid_move_makes_the_request_recompute_once(cluster, reference,
+                                                                  monkeypatch):
+    _kill_mid_move(cluster, reference, monkeypatch, "target")
+
+
+@pytest.mark.parametrize("cluster", ["shared"], indirect=True)
+def test_a_source_killed_mid_move_makes_the_request_recompute_once(cluster, reference,
+                                                                  monkeypatch):
+    _kill_mid_move(cluster, reference, monkeypatch, "source")
 
 
 def _choices(cluster, request: pb.GenerateRequest, counts: list[int]) -> Future:

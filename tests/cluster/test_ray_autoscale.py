@@ -59,8 +59,7 @@ def _locust(address: str, workload: Path, slo: Path, out: Path) -> subprocess.Co
 
 def _decisions(config) -> list[dict]:
     """Every decision the autoscaler kept (`deploy status` shows the last 20)."""
-    actor = ray.get_actor(f"{config.name}-autoscaler")
-    return ray.get(actor.decisions.remote(), timeout=10)
+    return deployment.autoscaler_decisions(config)
 
 
 def test_a_load_pulse_adds_a_decode_worker_and_its_end_removes_one(local_ray, tiny_llama_dir,

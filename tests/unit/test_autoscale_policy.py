@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.scaling import Bounds, ScalingPolicy, Signals
-from deploy.signals import ITL, REQUESTS, TTFT, cluster_now, parse_metrics, quantile
+from deploy.signals import ITL, PHASES, REQUESTS, TTFT, cluster_now, parse_metrics, quantile
 from loadtest.slo import SLO, LatencySLO
 from pdserve_proto import pdserve_pb2 as pb
 
@@ -42,6 +42,11 @@ def test_latency_over_the_slo_adds_the_role_it_points_at():
     assert "TTFT at 150%" in slow_first.reason and "4000 prompt tokens" in slow_first.reason
     queued = policy(clock, prefill=(1, 1)).decide(signals(queued=3))
     assert (queued.action, queued.role) == ("add", "decode")  # prefill at its max
+    waiting = signals(ttft=900)  # under the bound, but most of it spent queueing
+    waiting = Signals(**{**waiting.__dict__, "queue_ms": 600.0})
+    early = policy(clock).decide(waiting)
+    assert (early.action, early.role) == ("add", "prefill") and "600 ms queued" in early.reason
+    assert policy(clock).decide(signals(ttft=900)).action == "hold"
 
 
 def test_bounds_are_kept_and_the_last_worker_never_goes():
@@ -106,10 +111,16 @@ def test_the_routers_metrics_and_status_become_signals():
         f"{TTFT}_count 4.0", f"{TTFT}_sum 1.0",
         f"# TYPE {ITL} histogram", f'{ITL}_bucket{{le="+Inf"}} 0.0', f"{ITL}_count 0.0",
         f"{ITL}_sum 0.0",
+        f"# TYPE {PHASES} histogram",
+        f'{PHASES}_bucket{{le="0.1",phase="prefill_queue"}} 2.0',
+        f'{PHASES}_bucket{{le="+Inf",phase="prefill_queue"}} 2.0',
+        f'{PHASES}_bucket{{le="0.1",phase="ttft"}} 9.0',
         "# TYPE pdserve_router_requests counter",
         f'{REQUESTS}{{api="grpc",code="OK"}} 5.0', f'{REQUESTS}{{api="http",code="OK"}} 2.0'])
     buckets, ended = parse_metrics(text)
     assert buckets[TTFT] == {0.5: 3.0, float("inf"): 4.0} and ended == 7.0
+    assert buckets["prefill_queue"] == {0.1: 2.0, float("inf"): 2.0}
+    assert buckets["router_queue"] == {}  # the ttft phase is not a queue
     status = pb.ClusterStatus(queued_requests=2, workers=[
         pb.WorkerStatus(worker_id="p", role=pb.WORKER_ROLE_PREFILL, healthy=True,
                         queued_prompt_tokens=300),
@@ -138,3 +149,22 @@ def test_a_worker_goes_only_after_the_load_stayed_low_for_the_window():
     assert p.decide(quiet).action == "hold"  # quiet for 4 s
     clock.now = 9.5
     assert p.decide(quiet).action == "remove"
+
+
+def test_a_dry_run_logs_each_decision_with_its_inputs_and_changes_nothing(monkeypatch):
+    from deploy.autoscaler import Autoscaler
+    from deploy.config import DeployConfig
+
+    config = DeployConfig.from_dict({"autoscale": {
+        "enabled": True, "dry_run": True, "cooldown_s": 0, "decode": {"min": 1, "max": 2}}})
+    scaler = Autoscaler(config, {"address": "127.0.0.1:1", "metrics_address": "127.0.0.1:1",
+                                 "registry_address": "127.0.0.1:1"}, None)
+    readings = iter([signals(itl=5000), signals(ttft=10, itl=5, decode=2)])  # bound: 2 s
+    monkeypatch.setattr(scaler.signals, "read", lambda: next(readings))
+    monkeypatch.setattr(scaler, "_apply", lambda d: pytest.fail(f"dry run applied {d}"))
+    added = scaler.tick()
+    assert (added["action"], added["role"], added["dry_run"]) == ("add", "decode", True)
+    assert added["inputs"]["itl_ms"] == 5000 and added["local_prefill"] == "off"
+    assert "worker_id" not in added
+    assert scaler.tick()["action"] == "hold"  # scale-down waits out its 60 s window
+    assert [d["action"] for d in scaler.decisions] == ["add", "hold"]
