@@ -291,9 +291,13 @@ class AutoscaleSection:
                               "planner's model needs a worker's speed and the request shapes")
         for key in ("slo_file", "profile", "workload"):
             path = getattr(self, key)
-            if path is not None and not Path(path).expanduser().is_file():
+            if path is None:
+                continue
+            if not Path(path).expanduser().is_file():
                 raise ConfigError(f"autoscale.{key} {path!r} is not a file (read where "
                                   "`deploy up` runs)")
+            # The actor reads it from its own working directory: the path must not depend on it
+            object.__setattr__(self, key, str(Path(path).expanduser().resolve()))
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,24 @@ def test_a_dry_run_logs_each_decision_with_its_inputs_and_changes_nothing(monkey
     assert "worker_id" not in added
     assert scaler.tick()["action"] == "hold"  # scale-down waits out its 60 s window
     assert [d["action"] for d in scaler.decisions] == ["add", "hold"]
+
+
+def test_the_planners_model_scores_splits_from_a_profile_and_a_workload():
+    from pathlib import Path
+
+    from deploy.autoscaler import planner_score
+    from loadtest.workloads import ONLINE_MIXED
+
+    profile = Path(__file__).resolve().parents[2] / "benchmarks/plans/profile-cpu-1thread.json"
+    score = planner_score(str(profile), str(ONLINE_MIXED), SLO_)
+    one, two = score(1, 1, 0.3), score(1, 2, 0.3)  # goodput: requests meeting the SLO per s
+    assert 0 < one < two <= 0.3  # at 0.3 req/s a second decode worker helps
+
+
+def test_autoscale_paths_are_made_absolute_for_the_actor(tmp_path, monkeypatch):
+    from deploy.config import DeployConfig
+
+    (tmp_path / "slo.yaml").write_text("ttft: {percentile: 90, max_ms: 1}\n")
+    monkeypatch.chdir(tmp_path)
+    config = DeployConfig.from_dict({"autoscale": {"slo_file": "slo.yaml"}})
+    assert config.autoscale.slo_file == str(tmp_path / "slo.yaml")
