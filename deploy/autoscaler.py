@@ -2,13 +2,11 @@
 `autoscale.interval_s` reads the router (deploy.signals), asks the policy (deploy.scaling) and
 carries the decision out on Ray — unless `autoscale.dry_run`, when it only logs it.
 
-- **add**: a worker actor in a placement group of its own (`{name}-{worker id}-pg`), so Ray (and
-  a Ray autoscaler, if the cluster has one) finds the resources; it registers with the router.
-- **remove**: the router drains it (RouterAdmin.DrainWorker: nothing new is placed there, its
-  running requests move with their KV to the other decode workers), then, once it holds
-  nothing, the actor drains, stops and goes with its placement group. Workers this autoscaler
-  added go first (newest first); the policy never takes a role below its minimum (>= 1).
-- the router's local prefill (conditional disaggregation) is switched through
+- **add** / **remove**: deploy.scaled_workers (a worker in a placement group of its own; a
+  worker drained through the router — its running requests move with their KV — then
+  stopped). The policy never takes a role below its minimum (>= 1), and brings one below it
+  back.
+- the router's local prefill (conditional disaggregation) is set through
   RouterAdmin.SetLocalPrefill.
 
 Every decision is kept with its inputs (the last DECISIONS_KEPT) for `deploy status`."""
@@ -23,13 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.util.placement_group import get_placement_group, remove_placement_group
-
 from common.grpc_server import internal_channel
 from deploy.config import DeployConfig
-from deploy.scaling import Bounds, Decision, ScalingPolicy, Signals, SplitScore
-from deploy.signals import ROLE_NAMES, RouterSignals
+from deploy.scaled_workers import ScaledWorkers
+from deploy.scaling import Bounds, ScalingPolicy, Signals, SplitScore
+from deploy.signals import RouterSignals
 from loadtest.slo import SLO
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
@@ -81,10 +77,11 @@ class Autoscaler:
                   for r in ("prefill", "decode")},
             section.cooldown_s, section.scale_down_below, section.kv_high, split,
             scale_down_window_s=section.scale_down_window_s)
+        self.policy.hold_off()  # a restarted controller does not know when it last acted
+        self.workers = ScaledWorkers(config, router, root_ca)
+        self._router_local_prefill = ""  # the mode last set on the router ("": never)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=DECISIONS_KEPT)
-        self.added: list[tuple[str, str]] = []  # (role, worker id), oldest first
-        self._started: dict[str, float] = {}  # added, not registered yet -> when
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
 
@@ -114,137 +111,38 @@ class Autoscaler:
 
     def tick(self) -> dict[str, Any]:
         read = self.signals.read()
-        self._give_up_stuck(read.registered)
-        signals = self._with_starting(read)
+        for worker_id in self.workers.settle(read.registered):
+            self.decisions.append({"time": time.time(), "error": f"{worker_id} did not "
+                                   f"register within {self.config.placement.timeout_s:g}s; "
+                                   "given up"})
+        workers = dict(read.workers)
+        for role, count in self.workers.starting().items():
+            workers[role] = workers.get(role, 0) + count
+        signals = dataclasses.replace(read, workers=workers)
         decision = self.policy.decide(signals)
         record: dict[str, Any] = {"time": time.time(), "inputs": _inputs(signals),
                                   **decision.as_dict(),
                                   "dry_run": self.config.autoscale.dry_run}
         if decision.action != "hold" or decision.local_prefill is not None:
             log.info("autoscaler: %s %s (%s)", decision.action, decision.role, decision.reason)
-            if not self.config.autoscale.dry_run:
-                record["worker_id"] = self._apply(decision)
+        if not self.config.autoscale.dry_run:
+            self._set_local_prefill(self.policy.local_prefill)
+            if decision.action == "add":
+                record["worker_id"] = self.workers.add(decision.role)
+            elif decision.action == "remove":
+                record["worker_id"] = self.workers.remove(decision.role, read.registered)
         self.decisions.append(record)
         return record
 
-    def _with_starting(self, signals: Signals) -> Signals:
-        """Workers added but not registered yet count too: they are on their way."""
-        workers = dict(signals.workers)
-        for role, worker_id in self.added:
-            if worker_id not in signals.registered:
-                workers[role] = workers.get(role, 0) + 1
-        return dataclasses.replace(signals, workers=workers)
-
-    def _apply(self, decision: Decision) -> str:
-        if decision.local_prefill is not None:
-            with self._admin() as channel:
-                pb_grpc.RouterAdminStub(channel).SetLocalPrefill(
-                    pb.SetLocalPrefillRequest(mode=decision.local_prefill), timeout=RPC_TIMEOUT_S)
-        if decision.action == "add":
-            return self._add(decision.role)
-        if decision.action == "remove":
-            return self._remove(decision.role)
-        return ""
-
-    def _admin(self) -> Any:
-        return internal_channel(self.router["registry_address"], self.root_ca)
-
-    def _add(self, role: str) -> str:
-        """Ask Ray for the worker's resources and start it there once they exist (without
-        waiting: a Ray autoscaler may take minutes to add a node)."""
-        from ray.util.placement_group import placement_group
-
-        from deploy.deployment import WorkerPlace, _start_worker
-
-        worker_id = self._next_id(role)
-        name = f"{self.config.name}-{worker_id}-pg"
-        ranks = self.config.tp_for(role)
-        group = placement_group([self.config.workers.bundle] * ranks, strategy="STRICT_PACK",
-                                name=name, lifetime="detached")
-        _start_worker(self.config, WorkerPlace(group, 0, name if ranks > 1 else None), role,
-                      worker_id, self.router["registry_address"])
-        self.added.append((role, worker_id))
-        self._started[worker_id] = time.monotonic()
-        return worker_id
-
-    def _give_up_stuck(self, registered: frozenset[str]) -> None:
-        """A worker added but not registered within placement.timeout_s (no resources came):
-        its actor and placement group go, so it asks Ray for nothing more."""
-        now = time.monotonic()
-        for role, worker_id in list(self.added):
-            if worker_id in registered:
-                self._started.pop(worker_id, None)
-                continue
-            if now - self._started.get(worker_id, now) < self.config.placement.timeout_s:
-                continue
-            log.warning("%s did not register within %.0fs: given up", worker_id,
-                        self.config.placement.timeout_s)
-            self._stop_actor(worker_id, wait=False)
-            self.added.remove((role, worker_id))
-            self.decisions.append({"time": time.time(), "error": f"{worker_id} did not "
-                                   f"register within {self.config.placement.timeout_s:g}s; "
-                                   "given up"})
-
-    def _next_id(self, role: str) -> str:
-        taken = {name for name in ray.util.list_named_actors()}
-        index = 0
-        while f"{self.config.name}-{role}-{index}" in taken:
-            index += 1
-        return f"{role}-{index}"
-
-    def _remove(self, role: str) -> str:
-        worker_id = self._victim(role)
-        with self._admin() as channel:
-            pb_grpc.RouterAdminStub(channel).DrainWorker(
-                pb.DrainWorkerRequest(worker_id=worker_id), timeout=RPC_TIMEOUT_S)
-        self._wait_empty(worker_id)
-        self._stop_actor(worker_id, wait=True)
-        self.added = [a for a in self.added if a[1] != worker_id]
-        return worker_id
-
-    def _stop_actor(self, worker_id: str, wait: bool) -> None:
-        """Drain and stop a worker's actor (`wait`), kill it, remove its own placement group."""
-        try:
-            actor = ray.get_actor(f"{self.config.name}-{worker_id}")
-        except ValueError:
-            actor = None
-        if actor is not None:
-            if wait:
-                ray.get(actor.stop.remote(), timeout=self.config.workers.grace_s + RPC_TIMEOUT_S)
-            ray.kill(actor, no_restart=True)
-        try:
-            remove_placement_group(get_placement_group(f"{self.config.name}-{worker_id}-pg"))
-        except ValueError:  # one of the deployment's first workers: its bundle stays reserved
-            pass
-
-    def _victim(self, role: str) -> str:
-        """The newest worker this autoscaler added, else the last-named one of the role."""
-        for added_role, worker_id in reversed(self.added):
-            if added_role == role:
-                return worker_id
-        from common.client import cluster_status
-
-        status = cluster_status(self.router["address"], RPC_TIMEOUT_S, self.root_ca)
-        ids = sorted((w.worker_id for w in status.workers
-                      if ROLE_NAMES.get(w.role) == role and not w.draining),
-                     key=lambda i: int(i.rsplit("-", 1)[-1]) if i[-1].isdigit() else 0)
-        return ids[-1]
-
-    def _wait_empty(self, worker_id: str) -> None:
-        """Until the drained worker holds no request (its moves done), within its grace."""
-        from common.client import cluster_status
-
-        deadline = time.monotonic() + self.config.workers.grace_s
-        while time.monotonic() < deadline:
-            status = cluster_status(self.router["address"], RPC_TIMEOUT_S, self.root_ca)
-            worker = next((w for w in status.workers if w.worker_id == worker_id), None)
-            if worker is None or (not worker.running_requests and not worker.waiting_requests
-                                  and not worker.queued_prompt_tokens
-                                  and worker.free_blocks == worker.total_blocks):
-                return
-            time.sleep(0.25)
-        log.warning("%s still held requests after %.0fs of draining; stopping it anyway",
-                    worker_id, self.config.workers.grace_s)
+    def _set_local_prefill(self, mode: str) -> None:
+        """The router's local prefill as the policy wants it: set when it changed, and again
+        every interval while it is off (a restarted router starts from auto)."""
+        if mode == self._router_local_prefill and mode == "auto":
+            return
+        with internal_channel(self.router["registry_address"], self.root_ca) as channel:
+            pb_grpc.RouterAdminStub(channel).SetLocalPrefill(
+                pb.SetLocalPrefillRequest(mode=mode), timeout=RPC_TIMEOUT_S)
+        self._router_local_prefill = mode
 
 
 def _inputs(s: Signals) -> dict[str, Any]:
@@ -273,7 +171,7 @@ class AutoscalerActor:
         return list(self.autoscaler.decisions)
 
     def added(self) -> list[tuple[str, str]]:
-        return list(self.autoscaler.added)
+        return list(self.autoscaler.workers.added)
 
     def stop(self) -> bool:
         self.autoscaler.stop()

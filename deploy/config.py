@@ -64,6 +64,7 @@ Schema (every key optional except where noted; unknown keys are errors):
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,9 +296,26 @@ class AutoscaleSection:
                 continue
             if not Path(path).expanduser().is_file():
                 raise ConfigError(f"autoscale.{key} {path!r} is not a file (read where "
-                                  "`deploy up` runs)")
+                                  "`deploy up` runs, and by the autoscaler on the head node)")
             # The actor reads it from its own working directory: the path must not depend on it
             object.__setattr__(self, key, str(Path(path).expanduser().resolve()))
+        self._check_contents()
+
+    def _check_contents(self) -> None:
+        """The files parse here, before anything starts (the actor reads them again)."""
+        from loadtest.slo import SLO
+
+        try:
+            if self.slo_file is not None:
+                SLO.from_yaml(self.slo_file)
+            if self.profile is not None and self.workload is not None:
+                from planner.plan import load_workload
+                from planner.simulator import Profile
+
+                Profile.from_json(json.loads(Path(self.profile).read_text()))
+                load_workload(Path(self.workload), None)
+        except (ValueError, OSError, TypeError, KeyError) as exc:
+            raise ConfigError(f"autoscale: {exc}") from exc
 
 
 @dataclass(frozen=True)

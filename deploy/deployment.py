@@ -22,6 +22,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy.actors import RouterActor, WorkerActor
 from deploy.config import ConfigError, DeployConfig
+from deploy.scaled_workers import worker_pattern
 
 log = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
@@ -97,8 +98,9 @@ def deploy(config: DeployConfig) -> Deployment:
         infos = ray.get([w.info.remote() for w in workers], timeout=config.placement.timeout_s)
         _wait_registered(info["address"], len(workers), config.placement.timeout_s,
                          router_ca(config))
-        if config.autoscale.enabled:
-            _start_autoscaler(config, info)
+        if config.autoscale.enabled:  # its start (SLO, profile read on its node) must succeed
+            scaler = _start_autoscaler(config, info)
+            ray.get(scaler.decisions.remote(), timeout=config.placement.timeout_s)
     except BaseException as exc:
         try:
             teardown(config)
@@ -148,9 +150,10 @@ def group_names(config: DeployConfig) -> list[str]:
     named = {f"{config.name}-pg"} | {f"{config.name}-{worker_id}-pg"
                                      for role, worker_id in config.worker_names
                                      if config.tp_for(role) > 1}
+    workers = worker_pattern(config.name)
     named |= {g["name"] for g in ray.util.placement_group_table().values()
-              if g["name"].startswith(f"{config.name}-") and g["name"].endswith("-pg")
-              and g["state"] != "REMOVED"}
+              if g["state"] != "REMOVED" and g["name"].endswith("-pg")
+              and workers.match(g["name"].removesuffix("-pg"))}
     return sorted(named)
 
 
@@ -232,8 +235,8 @@ def actor_names(config: DeployConfig) -> list[str]:
     """The autoscaler (if any), every worker (the config's and those the autoscaler added),
     the router last."""
     named = {f"{config.name}-{worker_id}" for _, worker_id in config.worker_names}
-    prefixes = tuple(f"{config.name}-{role}-" for role in ("prefill", "decode"))
-    named |= {n for n in ray.util.list_named_actors() if n.startswith(prefixes)}
+    workers = worker_pattern(config.name)  # exactly: deployment "pd" is not "pd-decode"'s
+    named |= {n for n in ray.util.list_named_actors() if workers.match(n)}
     scaler = [f"{config.name}-{AUTOSCALER}"] if config.autoscale.enabled or \
         f"{config.name}-{AUTOSCALER}" in ray.util.list_named_actors() else []
     return scaler + sorted(named) + [f"{config.name}-router"]

@@ -77,12 +77,26 @@ class ScalingPolicy:
         self.local_prefill = "auto"
 
     def decide(self, s: Signals) -> Decision:
-        decision = self._decide(s)
+        decision = self._below_min(s) or self._decide(s)
         if decision.action != "hold":
             self._changed_at = self._clock()
+            self._low_since = None  # the next removal waits a whole window at the new size
         if decision.local_prefill is not None:
             self.local_prefill = decision.local_prefill
         return decision
+
+    def hold_off(self) -> None:
+        """Make no change for a cooldown from now (the controller restarted: it knows nothing
+        of the last change)."""
+        self._changed_at = self._clock()
+
+    def _below_min(self, s: Signals) -> Decision | None:
+        """A role under its minimum (its workers died) gets one back, cooldown or not."""
+        for role in ROLES:
+            if s.workers.get(role, 0) < self.bounds[role].min:
+                return Decision("add", role, f"{s.workers.get(role, 0)} {role} workers, below "
+                                f"the minimum of {self.bounds[role].min}")
+        return None
 
     def _decide(self, s: Signals) -> Decision:
         ttft, itl = _ratio(s.ttft_ms, self.slo.ttft.max_ms), _ratio(s.itl_ms, self.slo.itl.max_ms)
@@ -103,8 +117,11 @@ class ScalingPolicy:
         low = self.scale_down_below
         quiet = ttft < low and itl < low and s.queued == 0 and s.kv_use < self.kv_high / 2
         now = self._clock()
-        self._low_since = (self._low_since or now) if quiet else None
-        if quiet and now - self._low_since >= self.scale_down_window_s:
+        if not quiet:
+            self._low_since = None
+        elif self._low_since is None:
+            self._low_since = now
+        if self._low_since is not None and now - self._low_since >= self.scale_down_window_s:
             role = self._role_to_remove(s)
             if role is not None:
                 return Decision("remove", role, f"TTFT at {ttft:.0%} and ITL at {itl:.0%} of "
@@ -122,7 +139,7 @@ class ScalingPolicy:
 
     def _room(self, s: Signals, role: str, step: int) -> bool:
         count = s.workers.get(role, 0) + step
-        return self.bounds[role].min <= count <= self.bounds[role].max
+        return count <= self.bounds[role].max if step > 0 else count >= self.bounds[role].min
 
     def _role_to_add(self, s: Signals, decode_bound: bool, prefill_bound: bool) -> str | None:
         open_roles = [r for r in ROLES if self._room(s, r, +1)]

@@ -66,6 +66,9 @@ def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
 
 
 def _delta(now: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
+    """The counts added since `before` (all of `now` when the histogram started over)."""
+    if now.get(float("inf"), 0.0) < before.get(float("inf"), 0.0):
+        return dict(now)
     return {bound: count - before.get(bound, 0.0) for bound, count in now.items()}
 
 
@@ -86,14 +89,19 @@ class RouterSignals:
                                                          self.root_ca)))
 
     def read(self, timeout_s: float = 5.0) -> Signals:
+        """The interval since the last read. The first read only sets the baseline (its
+        percentiles would cover the router's whole life): no latencies, no rate."""
+        samples, self._samples = self._samples, []  # a failed read leaves no stale ones
         url = f"http://{self.metrics_address}/metrics"
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
             buckets, ended = parse_metrics(reply.read().decode())
-        self.sample(timeout_s)
-        samples, self._samples = self._samples, []
+        samples.append(cluster_now(cluster_status(self.router_address, timeout_s,
+                                                  self.root_ca)))
         now = self._clock()
         last, self._last = self._last, (now, buckets, ended)
-        then, before, ended_before = last if last is not None else (now, {}, ended)
+        then, before, ended_before = last if last is not None else (now, buckets, ended)
+        if ended < ended_before:  # the router restarted: its counters began again
+            before, ended_before = {}, 0.0
         window = {name: _delta(counts, before.get(name, {})) for name, counts in buckets.items()}
         at = self.slo.ttft.percentile / 100
         queues = [quantile(at, window[phase]) for phase in QUEUES]

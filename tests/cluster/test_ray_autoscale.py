@@ -62,14 +62,36 @@ def _decisions(config) -> list[dict]:
     return deployment.autoscaler_decisions(config)
 
 
+def _check_decisions(config, started: float) -> None:
+    """One decode worker added within an interval or so of the pulse, the same one drained and
+    removed after it (the load low for the scale-down window)."""
+    try:
+        wait_until(lambda: any(d.get("action") == "remove" for d in _decisions(config)),
+                   30.0, "the controller to remove a worker after the pulse")
+    except AssertionError:
+        print(json.dumps(_decisions(config), indent=0))
+        raise
+    decisions = [d for d in _decisions(config) if "action" in d]
+    for d in decisions:  # shown when the test fails
+        print(f"{d['time'] - started:6.1f}s {d['action']:6} {d['role']:7} "
+              f"{d.get('worker_id', ''):9} {d['reason']}  {json.dumps(d['inputs'])}")
+    adds = [d for d in decisions if d["action"] == "add"]
+    removes = [d for d in decisions if d["action"] == "remove"]
+    assert [(d["role"], d["worker_id"]) for d in adds] == [("decode", "decode-1")]
+    assert [(d["role"], d["worker_id"]) for d in removes] == [("decode", "decode-1")]
+    assert started + PULSE_START_S <= adds[0]["time"] <= started + PULSE_START_S + 10
+    assert adds[0]["inputs"]["kv_use"] > 0.4 and adds[0]["inputs"]["workers"]["decode"] == 1
+    assert removes[0]["time"] >= started + PULSE_END_S
+    assert removes[0]["inputs"]["workers"]["decode"] == 2
+
+
 def test_a_load_pulse_adds_a_decode_worker_and_its_end_removes_one(local_ray, tiny_llama_dir,
                                                                   tmp_path):
     workload, slo = _files(tmp_path)
     # 0.5 MB of KV: 65 blocks of 16 tokens (the tiny model's 2 layers x 2 KV heads x 16)
     config = tiny_config(tiny_llama_dir, model={"kv_cache_gb": 0.0005}, autoscale={
         "enabled": True, "interval_s": 1.0, "cooldown_s": 4.0, "kv_high": 0.4,
-        "scale_down_window_s": 5.0,
-        "slo_file": str(slo), "decode": {"min": 1, "max": 2}})
+        "scale_down_window_s": 5.0, "slo_file": str(slo), "decode": {"min": 1, "max": 2}})
     result = deployment.deploy(config)
     try:
         started = time.time()
@@ -79,24 +101,7 @@ def test_a_load_pulse_adds_a_decode_worker_and_its_end_removes_one(local_ray, ti
             rows = {row["Name"]: row for row in csv.DictReader(f)}
         assert int(rows["E2E"]["Request Count"]) > 100
         assert int(rows["E2E"]["Failure Count"]) == 0
-        try:
-            wait_until(lambda: any(d.get("action") == "remove" for d in _decisions(config)),
-                       30.0, "the controller to remove a worker after the pulse")
-        except AssertionError:
-            print(json.dumps(_decisions(config), indent=0))
-            raise
-        decisions = [d for d in _decisions(config) if "action" in d]
-        for d in decisions:  # shown when the test fails
-            print(f"{d['time'] - started:6.1f}s {d['action']:6} {d['role']:7} "
-                  f"{d.get('worker_id', ''):9} {d['reason']}  {json.dumps(d['inputs'])}")
-        adds = [d for d in decisions if d["action"] == "add"]
-        removes = [d for d in decisions if d["action"] == "remove"]
-        assert [(d["role"], d["worker_id"]) for d in adds] == [("decode", "decode-1")]
-        assert [(d["role"], d["worker_id"]) for d in removes] == [("decode", "decode-1")]
-        assert started + PULSE_START_S <= adds[0]["time"] <= started + PULSE_START_S + 10
-        assert adds[0]["inputs"]["kv_use"] > 0.4 and adds[0]["inputs"]["workers"]["decode"] == 1
-        assert removes[0]["time"] >= started + PULSE_END_S
-        assert removes[0]["inputs"]["workers"]["decode"] == 2
+        _check_decisions(config, started)
         report = deployment.status(config)
         assert sorted(w["id"] for w in report["registered"]) == ["decode-0", "prefill-0"]
         shown = report["autoscaler"]["decisions"]

@@ -161,13 +161,25 @@ def test_a_dry_run_logs_each_decision_with_its_inputs_and_changes_nothing(monkey
                                  "registry_address": "127.0.0.1:1"}, None)
     readings = iter([signals(itl=5000), signals(ttft=10, itl=5, decode=2)])  # bound: 2 s
     monkeypatch.setattr(scaler.signals, "read", lambda: next(readings))
-    monkeypatch.setattr(scaler, "_apply", lambda d: pytest.fail(f"dry run applied {d}"))
+    for name in ("add", "remove"):
+        monkeypatch.setattr(scaler.workers, name, lambda *a: pytest.fail(f"dry run: {a}"))
+    monkeypatch.setattr(scaler, "_set_local_prefill", lambda *a: pytest.fail("dry run"))
     added = scaler.tick()
     assert (added["action"], added["role"], added["dry_run"]) == ("add", "decode", True)
     assert added["inputs"]["itl_ms"] == 5000 and added["local_prefill"] == "off"
     assert "worker_id" not in added
     assert scaler.tick()["action"] == "hold"  # scale-down waits out its 60 s window
     assert [d["action"] for d in scaler.decisions] == ["add", "hold"]
+
+
+def test_a_role_below_its_minimum_gets_a_worker_back_and_max_caps_adds_only():
+    clock = Clock()
+    p = policy(clock, prefill=(1, 1), decode=(2, 3))
+    clock.now = 100
+    back = p.decide(signals(decode=1))  # one of two died
+    assert (back.action, back.role) == ("add", "decode") and "below the minimum" in back.reason
+    over = policy(clock, prefill=(1, 1), decode=(1, 2))  # 3 decode workers, max 2: may shrink
+    assert over.decide(signals(ttft=10, itl=5, decode=3)).action == "remove"
 
 
 def test_the_planners_model_scores_splits_from_a_profile_and_a_workload():
@@ -183,9 +195,42 @@ def test_the_planners_model_scores_splits_from_a_profile_and_a_workload():
 
 
 def test_autoscale_paths_are_made_absolute_for_the_actor(tmp_path, monkeypatch):
-    from deploy.config import DeployConfig
+    from deploy.config import ConfigError, DeployConfig
 
-    (tmp_path / "slo.yaml").write_text("ttft: {percentile: 90, max_ms: 1}\n")
+    (tmp_path / "slo.yaml").write_text("ttft: {percentile: 90, max_ms: 1}\n"
+                                       "itl: {percentile: 99, max_ms: 1}\nmax_error_rate: 0\n")
+    (tmp_path / "bad.yaml").write_text("ttft: {percentile: 90, max_ms: 1}\n")
     monkeypatch.chdir(tmp_path)
     config = DeployConfig.from_dict({"autoscale": {"slo_file": "slo.yaml"}})
     assert config.autoscale.slo_file == str(tmp_path / "slo.yaml")
+    with pytest.raises(ConfigError, match="autoscale: .*missing keys \\['itl', 'max_error_rate'"):
+        DeployConfig.from_dict({"autoscale": {"slo_file": "bad.yaml"}})
+
+
+def test_the_first_read_sets_a_baseline_and_a_router_restart_starts_over(monkeypatch):
+    import io
+
+    import deploy.signals as signals_module
+    from deploy.signals import RouterSignals
+
+    def metrics(count: float, ended: float) -> str:
+        return "\n".join([f"# TYPE {TTFT} histogram", f'{TTFT}_bucket{{le="1.0"}} {count}',
+                          f'{TTFT}_bucket{{le="+Inf"}} {count}', f"{TTFT}_count {count}",
+                          f"{TTFT}_sum 0.0", "# TYPE pdserve_router_requests counter",
+                          f'{REQUESTS}{{api="grpc",code="OK"}} {ended}'])
+
+    pages = iter([metrics(100, 100), metrics(110, 110), metrics(4, 4)])
+    monkeypatch.setattr(signals_module.urllib.request, "urlopen",
+                        lambda url, timeout: io.BytesIO(next(pages).encode()))
+    monkeypatch.setattr(signals_module, "cluster_status",
+                        lambda *a: pb.ClusterStatus(queued_requests=1))
+    clock = Clock()
+    reader = RouterSignals("router", "metrics", SLO_, clock=clock)
+    first = reader.read()
+    assert first.ttft_ms is None and first.request_rate == 0  # no window yet
+    clock.now = 10
+    second = reader.read()
+    assert second.ttft_ms == pytest.approx(900) and second.request_rate == pytest.approx(1.0)
+    clock.now = 20
+    restarted = reader.read()  # counters went down: the router started over
+    assert restarted.request_rate == pytest.approx(0.4) and restarted.ttft_ms is not None
