@@ -1,9 +1,10 @@
 """Worker death and drain against one 2P+2D cluster: SIGKILL a prefill worker mid-prefill (the
 request is retried), SIGTERM one mid-prefill (it finishes that prefill, then exits), SIGKILL a
 decode worker mid-stream (the request migrates), SIGTERM a decode worker and the router
-mid-stream (they drain), lose every decode worker (UNAVAILABLE). Greedy output must equal the
-offline engine's — no token duplicated or missing — and no live worker may keep a KV block. Each
-test leaves the cluster with its workers replaced."""
+mid-stream (they drain; the decode worker's stream moves to the other one), lose every decode
+worker (UNAVAILABLE). Greedy output must equal the offline engine's — no token duplicated or
+missing — and no live worker may keep a KV block. Each test leaves the cluster with its workers
+replaced."""
 
 from __future__ import annotations
 
@@ -185,7 +186,8 @@ def test_sigterm_drains_a_decode_worker(cluster, stub, reference):
         wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                    == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, "NOT_SERVING")
     wait_until(lambda: worker_status(cluster, victim).draining, 5.0, "the router to know")
-    # New work goes to the other decode worker while the old stream finishes where it is.
+    # New work goes to the other decode worker; the old stream moves there with its KV (live
+    # migration: tests/cluster/test_live_migration.py checks the move itself).
     assert stream_tokens(cluster.address, greedy_request(SHORT_PROMPT, 6))[0] == \
         reference["short"][:6]
     assert _rest(call, seen) == reference["short"][:120]
