@@ -10,29 +10,20 @@ both sides on every path (moved, failed copy, abort while parked, lease ended)."
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from decode_worker.departures import Paused
 from decode_worker.worker import DecodeWorker
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
 from engine.request import SamplingParams, StructuredOutput
 from kv_transfer import TransferError
 from kv_transfer.fake import TRANSPORT, FakeFabric, FakeReceiveConnector, FakeSendConnector
 from serving.options import WorkerOptions
+from tests.engine.test_workers_over_fake_transport import engine, offline, wait_until
 
 SECRET = "the-move's-secret"
 MAX_TOKENS = 48
-
-
-def engine(model_dir: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="float32",
-                                  cache=CacheConfig(num_blocks=64),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=64,
-                                                            prefill_chunk_size=16)))
 
 
 class Decoders:
@@ -69,27 +60,11 @@ class Decoders:
             worker.close()
 
 
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 @pytest.fixture()
 def decoders(tiny_llama_dir) -> Iterator[Decoders]:
     pair = Decoders(str(tiny_llama_dir))
     yield pair
     pair.close()
-
-
-def offline(model_dir: str, prompt: list[int], params: SamplingParams) -> list[int]:
-    reference = engine(model_dir)
-    rid = reference.add_request(prompt, params)
-    tokens: list[int] = []
-    while reference.has_unfinished_requests():
-        tokens += [t for o in reference.step() if o.request_id == rid for t in o.new_token_ids]
-    return tokens
 
 
 def until_paused(worker: DecodeWorker, rid: str, outputs: Iterator, after: int) -> list[int]:
