@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from deploy.config import DeployConfig
@@ -27,3 +28,15 @@ def export_checkout_to_ray() -> None:
     one, for a local cluster): put this checkout on their import path."""
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def local_ray_session(num_cpus: int) -> Iterator[None]:
+    """A module's local Ray (`yield from` it in a fixture): this checkout on its workers' path,
+    `num_cpus` logical CPUs, shut down after the module."""
+    import ray
+
+    export_checkout_to_ray()
+    ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()

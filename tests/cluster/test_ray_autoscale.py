@@ -19,7 +19,7 @@ import ray
 
 from deploy import deployment
 from tests.cluster.cluster_helpers import wait_until
-from tests.cluster.ray_helpers import NAMESPACE, REPO_ROOT, export_checkout_to_ray, tiny_config
+from tests.cluster.ray_helpers import REPO_ROOT, local_ray_session, tiny_config
 
 pytestmark = pytest.mark.slow
 DURATION_S = 45.0  # the pulse: [15, 30) s at 8 users, 2 users before and after
@@ -28,10 +28,7 @@ PULSE_START_S, PULSE_END_S = DURATION_S / 3, 2 * DURATION_S / 3
 
 @pytest.fixture(scope="module")
 def local_ray():
-    export_checkout_to_ray()
-    ray.init(num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    yield from local_ray_session(num_cpus=4)
 
 
 def _files(tmp_path: Path) -> tuple[Path, Path]:

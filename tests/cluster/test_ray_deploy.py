@@ -27,9 +27,8 @@ from security import auth
 from security.tls import ClusterTls
 from tests.cluster.cluster_helpers import greedy_request, stream_tokens, wait_until
 from tests.cluster.ray_helpers import (
-    NAMESPACE,
     REPO_ROOT,
-    export_checkout_to_ray,
+    local_ray_session,
     tiny_config,
 )
 
@@ -38,10 +37,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def local_ray():
-    export_checkout_to_ray()
-    ray.init(num_cpus=3, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    yield from local_ray_session(num_cpus=3)
 
 
 def _generate(address: str, root_ca: bytes) -> list[int]:
