@@ -4,7 +4,8 @@ residual add + RMSNorm, RoPE in place, SiLU(gate) * up, one pass each instead of
 Each is bitwise equal to the torch form in float32 and bfloat16 (same rounding points, the same
 SLEEF exp as torch, the sum of squares in the order of torch's sum kernel, no FMA contraction), so
 outputs do not change: float32 stays transformers-exact. Used on CPU wherever the build loads with
-AVX-512; PDSERVE_DISABLE_CPU_ELEMENTWISE=1 keeps the torch form.
+AVX-512 or AVX2 (the module's `isa()` says which); PDSERVE_DISABLE_CPU_ELEMENTWISE=1 keeps the torch
+form.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 
 @functools.cache
 def load_cpu_elementwise() -> ModuleType | None:
-    """The compiled module where it builds with its AVX-512 kernels, else None."""
+    """The compiled module where it builds with its AVX-512 or AVX2 kernels, else None."""
     if os.environ.get(DISABLE_ENV):
         return None
     module = try_build_native(PREFIX, SOURCE, CFLAGS, "native CPU element-wise kernels")

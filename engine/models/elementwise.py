@@ -3,8 +3,8 @@
 `TorchElementwise` is the torch form: transformers' numerics (fp32 RMSNorm statistics, rounding to
 the model's dtype where transformers materialises a tensor), the reference the others are tested
 against. `engine.models.fused.TritonElementwise` runs each chain as one Triton kernel (CUDA, by
-default there); `engine.models.cpu_elementwise.NativeCpuElementwise` as one native AVX-512
-kernel (CPU, wherever it builds). `select_elementwise` picks one for the model runner.
+default there); `engine.models.cpu_elementwise.NativeCpuElementwise` as one native AVX-512 or
+AVX2 kernel (CPU, wherever it builds). `select_elementwise` picks one for the model runner.
 """
 
 from __future__ import annotations

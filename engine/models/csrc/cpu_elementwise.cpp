@@ -1,16 +1,18 @@
-// The decoder layer's element-wise chains as one native CPU kernel each (AVX-512): residual add +
-// RMSNorm, RoPE on q and k in place, SiLU(gate) * up. The torch form runs 3-8 small kernels per
-// chain, each a pass over memory and a dispatch; at decode those were ~30% of a bf16 step.
+// The decoder layer's element-wise chains as one native CPU kernel each (AVX-512 or AVX2):
+// residual add + RMSNorm, RoPE on q and k in place, SiLU(gate) * up. The torch form runs 3-8
+// small kernels per chain, each a pass over memory and a dispatch; at decode those were ~30% of a
+// bf16 step.
 //
 // Every kernel rounds where the torch form (engine.models.elementwise, transformers' numerics)
 // rounds, and computes each rounded value the way torch's CPU kernels do: products and sums in
 // fp32 without contraction into FMA (built with -ffp-contract=off), bf16 by round-to-nearest-even,
-// exp by the SLEEF routine torch's vectorized exp calls (Sleef_expf16_u10, exported by
-// libtorch_cpu), the RMSNorm's sum of squares in the order of torch's sum kernel. So all three are
-// bitwise equal to the torch form in float32 and bfloat16 (the tests check it).
+// exp by the SLEEF routine torch's vectorized exp calls at the build's width (Sleef_expf16_u10 or
+// Sleef_expf8_u10, exported by libtorch_cpu), the RMSNorm's sum of squares in the order of torch's
+// sum kernel. So all three are bitwise equal to the torch form in float32 and bfloat16 (the tests
+// check it).
 //
-// Without AVX-512 (F, BW, VL) the module builds but `available()` is false and the model keeps the
-// torch form.
+// Without AVX-512 (F, BW, VL) or AVX2 the module builds but `available()` is false and the model
+// keeps the torch form.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -18,37 +20,42 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <string>
 
+// One vector register of fp32 lanes and the handful of operations the kernels need, for the
+// widest instruction set the build targets: AVX-512 (16 lanes, masked tails) or AVX2 (8 lanes,
+// tails through a small buffer). The kernels below are written once over this layer. Lane-wise
+// IEEE products, sums and quotients do not depend on the width, and each build calls the SLEEF
+// exp of its width, the one torch's own kernels call on such a machine.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define PDSERVE_ELEMENTWISE 1
+#define PDSERVE_ELEMENTWISE "avx512"
 #include <immintrin.h>
 
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
 
-// Element-wise work below this many elements runs on the calling thread: at decode sizes a
-// parallel region costs more than it saves.
-constexpr int64_t kParallelElements = 32768;
-
-inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kParallelElements / cols); }
+using vf = __m512;
+constexpr int64_t kLanes = 16;
 
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
-// Loads and stores of 16 lanes, widened to fp32 / rounded back, masked for the row's tail.
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+// Loads and stores of a register's lanes, widened to fp32 / rounded back, `left` elements at most
+// (the row's tail).
+inline vf vload(const float* p, int64_t left) { return _mm512_maskz_loadu_ps(tail_mask(left), p); }
 
-inline __m512 load(const at::BFloat16* p, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+inline vf vload(const at::BFloat16* p, int64_t left) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(tail_mask(left), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-inline void store(float* p, __m512 x, __mmask16 m) { _mm512_mask_storeu_ps(p, m, x); }
+inline void vstore(float* p, vf x, int64_t left) { _mm512_mask_storeu_ps(p, tail_mask(left), x); }
 
 // Round to nearest even, NaN kept quiet: c10::BFloat16's conversion.
-inline __m512i bf16_bits(__m512 x) {
+inline __m512i bf16_bits(vf x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded =
@@ -57,21 +64,105 @@ inline __m512i bf16_bits(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
 }
 
-inline void store(at::BFloat16* p, __m512 x, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(x)));
+inline void vstore(at::BFloat16* p, vf x, int64_t left) {
+  _mm256_mask_storeu_epi16(p, tail_mask(left), _mm512_cvtepi32_epi16(bf16_bits(x)));
 }
+
+inline vf bf16_round(vf x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vexp(vf x) { return Sleef_expf16_u10(x); }
+
+}  // namespace
+
+#elif defined(__AVX2__)
+#define PDSERVE_ELEMENTWISE "avx2"
+#include <immintrin.h>
+
+extern "C" __m256 Sleef_expf8_u10(__m256);
+
+namespace {
+
+using vf = __m256;
+constexpr int64_t kLanes = 8;
+
+inline vf vload_full(const float* p) { return _mm256_loadu_ps(p); }
+
+inline vf vload_full(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Round to nearest even, NaN kept quiet: c10::BFloat16's conversion.
+inline __m256i bf16_bits(vf x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+inline void vstore_full(float* p, vf x) { _mm256_storeu_ps(p, x); }
+
+inline void vstore_full(at::BFloat16* p, vf x) {
+  // 8 x 32-bit holding 16-bit values -> 8 x 16-bit: packus works within 128-bit halves, the
+  // permute brings both halves' results into the low 128 bits.
+  const __m256i bits = bf16_bits(x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// A row's tail (fewer than 8 elements left) goes through a zeroed buffer: AVX2 has no 16-bit
+// masked loads and stores.
+template <typename T>
+inline vf vload(const T* p, int64_t left) {
+  if (left >= kLanes) return vload_full(p);
+  alignas(32) T tmp[kLanes] = {};
+  std::memcpy(tmp, p, size_t(left) * sizeof(T));
+  return vload_full(tmp);
+}
+
+template <typename T>
+inline void vstore(T* p, vf x, int64_t left) {
+  if (left >= kLanes) return vstore_full(p, x);
+  alignas(32) T tmp[kLanes];
+  vstore_full(tmp, x);
+  std::memcpy(p, tmp, size_t(left) * sizeof(T));
+}
+
+inline vf bf16_round(vf x) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16)); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vexp(vf x) { return Sleef_expf8_u10(x); }
+
+}  // namespace
+#endif
+
+#ifdef PDSERVE_ELEMENTWISE
+namespace {
+
+// Element-wise work below this many elements runs on the calling thread: at decode sizes a
+// parallel region costs more than it saves.
+constexpr int64_t kParallelElements = 32768;
+
+inline int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kParallelElements / cols); }
 
 // The value a store to T would hold, back in fp32: where the torch form materialises a tensor.
 template <typename T>
-inline __m512 round_to(__m512 x);
+inline vf round_to(vf x);
 
 template <>
-inline __m512 round_to<float>(__m512 x) { return x; }
+inline vf round_to<float>(vf x) { return x; }
 
 template <>
-inline __m512 round_to<at::BFloat16>(__m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
-}
+inline vf round_to<at::BFloat16>(vf x) { return bf16_round(x); }
 
 // 8 lanes widened to fp32: the width torch's reductions run at (below).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -135,18 +226,15 @@ template <typename T>
 void add_rms_norm_row(const T* h, const T* delta, const T* weight, T* residual, T* out,
                       int64_t cols, float eps) {
   if (delta != nullptr) {
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 m = tail_mask(cols - c);
-      store(residual + c, _mm512_add_ps(load(h + c, m), load(delta + c, m)), m);
-    }
+    for (int64_t c = 0; c < cols; c += kLanes)
+      vstore(residual + c, vadd(vload(h + c, cols - c), vload(delta + c, cols - c)), cols - c);
   }
   const T* x_row = delta != nullptr ? residual : h;
   const float mean = torch_order_sum_of_squares(x_row, cols) / float(cols);
-  const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 m = tail_mask(cols - c);
-    const __m512 normed = round_to<T>(_mm512_mul_ps(load(x_row + c, m), rstd));
-    store(out + c, _mm512_mul_ps(normed, load(weight + c, m)), m);
+  const vf rstd = vset1(1.0f / std::sqrt(mean + eps));
+  for (int64_t c = 0; c < cols; c += kLanes) {
+    const vf normed = round_to<T>(vmul(vload(x_row + c, cols - c), rstd));
+    vstore(out + c, vmul(normed, vload(weight + c, cols - c)), cols - c);
   }
 }
 
@@ -157,15 +245,15 @@ void rope_token(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* si
   const int64_t half = head_dim / 2;
   for (int64_t hd = 0; hd < heads; ++hd) {
     T* row = x + hd * head_dim;
-    for (int64_t c = 0; c < half; c += 16) {
-      const __mmask16 m = tail_mask(half - c);
-      const __m512 x1 = load(row + c, m), x2 = load(row + half + c, m);
-      const __m512 a1 = round_to<T>(_mm512_mul_ps(x1, load(cos + c, m)));
-      const __m512 b1 = round_to<T>(_mm512_mul_ps(x2, load(sin + c, m)));
-      const __m512 a2 = round_to<T>(_mm512_mul_ps(x2, load(cos + half + c, m)));
-      const __m512 b2 = round_to<T>(_mm512_mul_ps(x1, load(sin + half + c, m)));
-      store(row + c, _mm512_sub_ps(a1, b1), m);
-      store(row + half + c, _mm512_add_ps(a2, b2), m);
+    for (int64_t c = 0; c < half; c += kLanes) {
+      const int64_t left = half - c;
+      const vf x1 = vload(row + c, left), x2 = vload(row + half + c, left);
+      const vf a1 = round_to<T>(vmul(x1, vload(cos + c, left)));
+      const vf b1 = round_to<T>(vmul(x2, vload(sin + c, left)));
+      const vf a2 = round_to<T>(vmul(x2, vload(cos + half + c, left)));
+      const vf b2 = round_to<T>(vmul(x1, vload(sin + half + c, left)));
+      vstore(row + c, vsub(a1, b1), left);
+      vstore(row + half + c, vadd(a2, b2), left);
     }
   }
 }
@@ -173,13 +261,12 @@ void rope_token(T* x, int64_t heads, int64_t head_dim, const T* cos, const T* si
 // out = T(T(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch's vectorized kernel has it.
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t cols) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 m = tail_mask(cols - c);
-    const __m512 g = load(gate + c, m);
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-    store(out + c, _mm512_mul_ps(silu, load(up + c, m)), m);
+  const vf one = vset1(1.0f);
+  for (int64_t c = 0; c < cols; c += kLanes) {
+    const vf g = vload(gate + c, cols - c);
+    const vf e = vexp(vsub(vset1(0.0f), g));
+    const vf silu = round_to<T>(vdiv(g, vadd(one, e)));
+    vstore(out + c, vmul(silu, vload(up + c, cols - c)), cols - c);
   }
 }
 
@@ -285,7 +372,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-#endif  // AVX-512
+#endif  // PDSERVE_ELEMENTWISE
 
 bool available() {
 #ifdef PDSERVE_ELEMENTWISE
@@ -295,8 +382,18 @@ bool available() {
 #endif
 }
 
+// The instruction set the kernels were built for: "avx512", "avx2", or "" where none.
+std::string isa() {
+#ifdef PDSERVE_ELEMENTWISE
+  return PDSERVE_ELEMENTWISE;
+#else
+  return "";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX-512 kernels");
+  m.def("available", &available, "whether this build has the vector kernels (AVX-512 or AVX2)");
+  m.def("isa", &isa, "the instruction set the kernels were built for");
 #ifdef PDSERVE_ELEMENTWISE
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm (CPU)");
   m.def("rope_", &rope_, "RoPE in place (CPU)");
