@@ -3,7 +3,8 @@ the naive fp32 reference: GQA groups 1/3/4/8 (and 16, past the specialised kerne
 64/128 (compiled-in) and 80 (generic), lengths on both sides of the 16-token block boundary up to
 4096, scattered block tables whose unused entries and slots hold NaN, strided q/out rows, 1..130
 sequences, KV splits under several thread counts, other block sizes, the paths machines without
-AVX-512 (or its BF16 extension) compile, and short prefill chunks sent through it as decode rows.
+AVX-512 (or its BF16 extension) or AVX2 compile, and short prefill chunks sent through it as
+decode rows.
 
 Tolerances: float32 within 1e-5 (relative and absolute). bfloat16 K/V/q are exact in fp32 and the
 kernel computes in fp32, so its only extra error is rounding the result to bf16 once: at most half
@@ -17,6 +18,7 @@ import torch
 
 from engine.attention.cpu_kernel import build_kernel, load_cpu_kernel
 from engine.attention.reference import paged_attention_reference
+from engine.native_build import cpu_flags
 
 LENS = [1, 15, 16, 17, 33, 1000, 4096]
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -173,17 +175,25 @@ def test_rejects_mismatched_inputs(kernel):
         run(kernel, q, k, v, table, torch.tensor([16 * table.shape[1] + 1], dtype=torch.int32))
 
 
+# flag -> the CPU feature it takes away: where the machine lacks that feature, the build every
+# other test uses already is that path, and a second compile (a minute on 2 cores) adds nothing.
+OTHER_MACHINES = {"-mno-avx512f": "avx512f", "-mno-avx512bf16": "avx512_bf16", "-mno-avx2": "avx2"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx512bf16"])
+@pytest.mark.parametrize("flag", sorted(OTHER_MACHINES))
 def test_paths_other_machines_compile(kernel, flag):
     """What other machines compile from the same source with -march=native: without AVX-512 the
-    plain-loop path, with AVX-512 but no BF16 extension (Skylake-X, Ice Lake) bf16 q.k by
-    widening instead of vdpbf16ps. Same results, for the shapes AVX-512 machines specialise."""
+    AVX2 kernel, without AVX2 the plain-loop path, with AVX-512 but no BF16 extension (Skylake-X,
+    Ice Lake) bf16 q.k by widening instead of vdpbf16ps. Same results, for the shapes the vector
+    kernels specialise and one they do not."""
+    if OTHER_MACHINES[flag] not in cpu_flags().split():
+        pytest.skip(f"this CPU has no {OTHER_MACHINES[flag]}: its own build is that path")
     try:
         other = build_kernel(extra_cflags=(flag,))
     except Exception as exc:  # a compiler without the flag
         pytest.skip(f"cannot build with {flag}: {exc}")
-    for group, dim in ((3, 64), (4, 128), (1, 80)):
+    for group, dim in ((3, 64), (4, 128), (8, 64), (1, 80)):
         heads, kv_heads = HEADS[group]
         for dtype in (torch.float32, torch.bfloat16):
             check(other, make_case(LENS, heads, kv_heads, dim, dtype), dtype)

@@ -1,10 +1,11 @@
 // Paged decode attention for CPU: one query per row (a decode token, or one query of a short
-// prefill chunk), K/V read in place through the block table (no gather copy). Single pass with a block-wise online softmax: per tile of up to 16
-// tokens, the scores of every query head of a KV group, a running max / sum rescale, and the V
-// accumulation, all in fp32; the group's query heads share every K/V load. Decode attention is
-// bound by the bytes of K/V it reads, so the design goal is to stream each byte once at memory
-// speed: no score buffer over the whole context, no second pass over the cache, and enough
-// vector work per byte to keep up (AVX-512 where the compiler targets it).
+// prefill chunk), K/V read in place through the block table (no gather copy). Single pass with a
+// block-wise online softmax: per tile of up to 16 tokens, the scores of every query head of a KV
+// group, a running max / sum rescale, and the V accumulation, all in fp32; the group's query heads
+// share every K/V load. Decode attention is bound by the bytes of K/V it reads, so the design goal
+// is to stream each byte once at memory speed: no score buffer over the whole context, no second
+// pass over the cache, and enough vector work per byte to keep up (AVX-512, or AVX2 with FMA,
+// where the compiler targets it).
 //
 // Work items are (sequence, KV split, KV heads): an item normally covers every KV head of its
 // sequence, reading each cache block as one contiguous stream; with few sequences long contexts
@@ -18,7 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -107,9 +108,9 @@ inline void prefetch_row(const T* row, int64_t bytes) {
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: any head_dim and group, plain loops the compiler vectorises (omp simd). Used
-// where AVX-512 is absent and for shapes without a specialised kernel. HD > 0 fixes head_dim at
-// compile time (64 and 128), so the loops unroll into independent vector FMAs; HD == 0 reads it
-// at run time.
+// where neither AVX-512 nor AVX2 with FMA is there, and for shapes without a specialised kernel.
+// HD > 0 fixes head_dim at compile time (64 and 128), so the loops unroll into independent vector
+// FMAs; HD == 0 reads it at run time.
 template <typename T, int HD>
 struct PortableHeads {
   int64_t group, runtime_dim;
@@ -366,6 +367,158 @@ struct Avx512Heads {
 #endif  // __AVX512F__
 
 // ---------------------------------------------------------------------------------------------
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+
+// 2^x for x <= 0 on 8 lanes: exp2_ps's polynomial, with 2^n put into the exponent bits (AVX2 has
+// no vscalefps). n is in [-126, 0], so n + 127 is a normal exponent.
+inline __m256 exp2_ps8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.5469732170458883e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3400432653725147e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618025273084640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550327152013779e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022650718688965f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931471824645996f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// r[t] = sum of the 8 lanes of v[t]: two rounds of hadd and one cross-half add for 8 dot
+// products.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // b0 = [v0..v3 low-half sums | v0..v3 high-half sums], b1 the same for v4..v7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+inline float hmax8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float hsum8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {  // widen: bf16 bits into the top half of each fp32 lane
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// Avx512Heads on 8-lane registers: a tile's 16 tokens are two halves of 8 lanes (scores, running
+// sums), HD / 8 column strips per row. HD (64 or 128) and G (1..8) fixed at compile time.
+template <typename T, int HD, int G>
+struct Avx2Heads {
+  static constexpr int C = HD / 8;
+  static constexpr int64_t kRowBytes = HD * int64_t(sizeof(T));
+
+  void begin(const State& st, const T* q, int64_t q_head) const {
+    for (int h = 0; h < G; ++h) {
+      for (int c = 0; c < C; ++c) {
+        _mm256_storeu_ps(st.q + h * HD + 8 * c, load8(q + h * q_head + 8 * c));
+        _mm256_storeu_ps(st.acc + h * HD + 8 * c, _mm256_setzero_ps());
+      }
+      _mm256_storeu_ps(st.l + 16 * h, _mm256_setzero_ps());
+      _mm256_storeu_ps(st.l + 16 * h + 8, _mm256_setzero_ps());
+      st.m[h] = kNeg;
+    }
+  }
+
+  // One 8-lane partial dot product per (head, token), each K strip loaded once for all heads.
+  static void dots(const State& st, const T* k, int64_t stride, int n, __m256 (*part)[kTile],
+                   const T* kn, int nn) {
+    for (int t = 0; t < n; ++t) {
+      const T* kr = k + t * stride;
+      if (t < nn) prefetch_row(kn + t * stride, kRowBytes);
+      __m256 s[G];
+      const __m256 k0 = load8(kr);
+      for (int h = 0; h < G; ++h) s[h] = _mm256_mul_ps(_mm256_loadu_ps(st.q + h * HD), k0);
+      for (int c = 1; c < C; ++c) {
+        const __m256 kc = load8(kr + 8 * c);
+        for (int h = 0; h < G; ++h)
+          s[h] = _mm256_fmadd_ps(_mm256_loadu_ps(st.q + h * HD + 8 * c), kc, s[h]);
+      }
+      for (int h = 0; h < G; ++h) part[h][t] = s[h];
+    }
+    for (int t = n; t < kTile; ++t)  // rows past the sequence are never read
+      for (int h = 0; h < G; ++h) part[h][t] = _mm256_setzero_ps();
+  }
+
+  // Scores -> probabilities against the running max (rescaling the running sums); each head's
+  // factor for the accumulator goes to alpha.
+  static void softmax(const State& st, __m256 (*part)[kTile], int n, float sl2,
+                      float (*p)[kTile], float* alpha) {
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), count = _mm256_set1_ps(float(n));
+    const __m256 valid[2] = {_mm256_cmp_ps(lane, count, _CMP_LT_OQ),
+                             _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f)), count,
+                                           _CMP_LT_OQ)};
+    alignas(32) float shift[8] = {0.f};
+    for (int h = 0; h < G; ++h) {
+      __m256 sc[2];
+      for (int half = 0; half < 2; ++half)
+        sc[half] = _mm256_blendv_ps(_mm256_set1_ps(kNeg),
+                                    _mm256_mul_ps(reduce8(part[h] + 8 * half), _mm256_set1_ps(sl2)),
+                                    valid[half]);
+      const float old_max = st.m[h];
+      const float new_max = std::max(old_max, hmax8(_mm256_max_ps(sc[0], sc[1])));
+      st.m[h] = new_max;
+      shift[h] = old_max - new_max;
+      for (int half = 0; half < 2; ++half) {  // exact zeros past the sequence
+        const __m256 e = exp2_ps8(_mm256_sub_ps(sc[half], _mm256_set1_ps(new_max)));
+        _mm256_store_ps(p[h] + 8 * half, _mm256_and_ps(e, valid[half]));
+      }
+    }
+    _mm256_store_ps(alpha, exp2_ps8(_mm256_load_ps(shift)));  // all heads' factors at once
+    for (int h = 0; h < G; ++h)
+      for (int half = 0; half < 2; ++half) {
+        float* l = st.l + 16 * h + 8 * half;
+        _mm256_storeu_ps(l, _mm256_fmadd_ps(_mm256_loadu_ps(l), _mm256_set1_ps(alpha[h]),
+                                            _mm256_load_ps(p[h] + 8 * half)));
+      }
+  }
+
+  // kn, vn: the next tile's rows for this KV head (nn of them; 0 at the end of the item).
+  void tile(const State& st, const T* k, const T* v, int64_t stride, int n, float sl2,
+            float*, const T* kn, const T* vn, int nn) const {
+    __m256 part[G][kTile];
+    alignas(32) float p[G][kTile];
+    alignas(32) float alpha[8];
+    dots(st, k, stride, n, part, kn, nn);
+    for (int t = n; t < nn; ++t) prefetch_row(kn + t * stride, kRowBytes);
+    softmax(st, part, n, sl2, p, alpha);
+    // acc = acc * alpha + sum_t p[t] * v[t], one 8-wide column strip at a time so the G
+    // accumulators stay in registers and each V strip is widened once for all heads.
+    for (int t = 0; t < nn; ++t) prefetch_row(vn + t * stride, kRowBytes);
+    for (int c = 0; c < C; ++c) {
+      __m256 a[G];
+      for (int h = 0; h < G; ++h)
+        a[h] = _mm256_mul_ps(_mm256_loadu_ps(st.acc + h * HD + 8 * c), _mm256_set1_ps(alpha[h]));
+      for (int t = 0; t < n; ++t) {
+        const __m256 vv = load8(v + t * stride + 8 * c);
+        for (int h = 0; h < G; ++h) a[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h][t]), vv, a[h]);
+      }
+      for (int h = 0; h < G; ++h) _mm256_storeu_ps(st.acc + h * HD + 8 * c, a[h]);
+    }
+  }
+
+  float sum(const State& st, int64_t h) const {
+    return hsum8(_mm256_add_ps(_mm256_loadu_ps(st.l + 16 * h), _mm256_loadu_ps(st.l + 16 * h + 8)));
+  }
+  int64_t tmp_floats() const { return 0; }
+};
+
+#endif  // __AVX2__ && __FMA__ && !__AVX512F__
+
+// ---------------------------------------------------------------------------------------------
 // The driver: work items, tiles, the split merge. `Heads` is the per-group kernel.
 
 template <typename T, class Heads>
@@ -491,14 +644,25 @@ void run(const Args<T>& a, const Heads& heads) {
   if (a.splits > 1) merge_splits(a);
 }
 
+// The vector kernel this build has (the widest the compiler targets), if any.
+#if defined(__AVX512F__)
+template <typename T, int HD, int G>
+using VectorHeads = Avx512Heads<T, HD, G>;
+#define PD_VECTOR_HEADS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+template <typename T, int HD, int G>
+using VectorHeads = Avx2Heads<T, HD, G>;
+#define PD_VECTOR_HEADS 1
+#endif
+
 template <typename T>
 void dispatch(const Args<T>& a) {
-#if defined(__AVX512F__)
+#ifdef PD_VECTOR_HEADS
   const bool specialised = a.group >= 1 && a.group <= 8 && (a.head_dim == 64 || a.head_dim == 128);
   switch (specialised ? a.head_dim * 16 + a.group : 0) {
 #define PD_CASE(HD, G) \
   case HD * 16 + G:    \
-    return run(a, Avx512Heads<T, HD, G>{});
+    return run(a, VectorHeads<T, HD, G>{});
     PD_CASE(64, 1) PD_CASE(64, 2) PD_CASE(64, 3) PD_CASE(64, 4)
     PD_CASE(64, 5) PD_CASE(64, 6) PD_CASE(64, 7) PD_CASE(64, 8)
     PD_CASE(128, 1) PD_CASE(128, 2) PD_CASE(128, 3) PD_CASE(128, 4)
