@@ -170,12 +170,14 @@ class LocalCluster:
                                    str(http_port), *internal, *self._token_args(),
                                    *self._tls_args(True), *self._log_args(),
                                    *self.spec.router_args])
-            if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
-                raise RuntimeError(f"router did not become healthy on {self.address}")
+            # The workers start beside the router, not after it: each loads its model while the
+            # router starts and retries its registration until the router answers.
             roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
                      + ["colocated"] * self.spec.colocated)
             for role in roles:
                 self.spawn_worker(role)
+            if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
+                raise RuntimeError(f"router did not become healthy on {self.address}")
             self.wait_workers(len(roles), self.spec.ready_timeout_s)
         except BaseException:
             self.stop()
