@@ -22,7 +22,8 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 def build_kernel(source: Path = SOURCE, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
     """Compiles (or loads the cached build of) `source`; raises where it cannot be built. The
     benchmark passes another source to compare kernels in one process; the tests pass
-    `-mno-avx512f` to build the portable path a machine without AVX-512 gets."""
+    `-mno-avx512f` or `-mno-avx2` to build the paths machines without AVX-512 (the AVX2 kernel) or
+    without AVX2 (the plain-loop path) get."""
     return build_native(PREFIX, source, (*CFLAGS, *extra_cflags))
 
 
