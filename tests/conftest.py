@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if getattr(module, "RUNS_ON_CUDA", False):
             item.add_marker(pytest.mark.gpu)
 
+
+_PREBUILDS: list[subprocess.Popen] = []
+_NEEDS_NATIVE = ("tests/engine/", "tests/cluster/", "tests/gpu/")
+
+
+def _start_prebuilds() -> None:
+    """The native kernels start building in the background (tests/native_builds.py: two
+    processes, so both compilers run at once, niced under the tests); a test that needs one
+    before it is ready waits on the build's lock."""
+    root = Path(__file__).resolve().parent.parent
+    for which in ("decode", "elementwise"):
+        _PREBUILDS.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.native_builds", which], cwd=root,
+            preexec_fn=lambda: os.nice(10)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The prebuilds start where the selected tests run models."""
+    root = Path(__file__).resolve().parent.parent
+    paths = [Path(item.path).resolve() for item in session.items]
+    if any(str(p.relative_to(root)).startswith(_NEEDS_NATIVE) for p in paths
+           if p.is_relative_to(root)):
+        _start_prebuilds()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A prebuild still running when the tests end (a short selection) is stopped; on SIGTERM it
+    unwinds and releases its build lock, so no later build waits on a stale one."""
+    for process in _PREBUILDS:
+        if process.poll() is None:
+            process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cpu_kernel import build_kernel, load_cpu_kernel
+from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.attention.reference import paged_attention_reference
-from engine.native_build import cpu_flags
+from tests.native_builds import DECODE_VARIANTS, decode_variant, has
 
 LENS = [1, 15, 16, 17, 33, 1000, 4096]
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -175,22 +175,17 @@ def test_rejects_mismatched_inputs(kernel):
         run(kernel, q, k, v, table, torch.tensor([16 * table.shape[1] + 1], dtype=torch.int32))
 
 
-# flag -> the CPU feature it takes away: where the machine lacks that feature, the build every
-# other test uses already is that path, and a second compile (a minute on 2 cores) adds nothing.
-OTHER_MACHINES = {"-mno-avx512f": "avx512f", "-mno-avx512bf16": "avx512_bf16", "-mno-avx2": "avx2"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", sorted(OTHER_MACHINES))
+@pytest.mark.parametrize("flag", sorted(DECODE_VARIANTS))
 def test_paths_other_machines_compile(kernel, flag):
     """What other machines compile from the same source with -march=native: without AVX-512 the
     AVX2 kernel, without AVX2 the plain-loop path, with AVX-512 but no BF16 extension (Skylake-X,
     Ice Lake) bf16 q.k by widening instead of vdpbf16ps. Same results, for the shapes the vector
     kernels specialise and one they do not."""
-    if OTHER_MACHINES[flag] not in cpu_flags().split():
-        pytest.skip(f"this CPU has no {OTHER_MACHINES[flag]}: its own build is that path")
+    if not has(DECODE_VARIANTS[flag]):
+        pytest.skip(f"this CPU has no {DECODE_VARIANTS[flag]}: its own build is that path")
     try:
-        other = build_kernel(extra_cflags=(flag,))
+        other = decode_variant(flag)
     except Exception as exc:  # a compiler without the flag
         pytest.skip(f"cannot build with {flag}: {exc}")
     for group, dim in ((3, 64), (4, 128), (8, 64), (1, 80)):

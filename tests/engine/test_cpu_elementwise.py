@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.models.cpu_elementwise import load_cpu_elementwise
 from engine.models.elementwise import TorchElementwise, apply_rope, rms_norm
 from engine.native_build import cpu_flags
+from tests.native_builds import ELEMENTWISE_AVX2, ELEMENTWISE_PORTABLE, elementwise_variant, has
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -161,22 +162,15 @@ def test_bf16_greedy_tokens_match_the_torch_form(native, default_model_dir, work
     assert outputs[0] == outputs[1]
 
 
-def build_variant(*extra: str):
-    from engine.models.cpu_elementwise import CFLAGS, PREFIX, SOURCE
-    from engine.native_build import build_native
-
-    return build_native(PREFIX, SOURCE, (*CFLAGS, *extra))
-
-
 def test_the_avx2_build_is_bitwise_the_torch_form_too():
     """The build a machine with AVX2 but no AVX-512 gets (8 lanes, tails through a buffer, SLEEF's
     8-lane exp) is tested on every AVX2 machine, AVX-512 ones included."""
-    if "avx2" not in cpu_flags().split():
+    if not has("avx2"):
         pytest.skip("no AVX2 on this CPU")
     native = load_cpu_elementwise()
     # Where the machine's own build is the AVX2 one, no second compile (a minute on 2 cores).
-    avx2 = native if native is not None and native.isa() == "avx2" else build_variant(
-        "-mno-avx512f")
+    avx2 = native if native is not None and native.isa() == "avx2" else elementwise_variant(
+        *ELEMENTWISE_AVX2)
     assert avx2.available() is True and avx2.isa() == "avx2"
     for dtype in DTYPES:
         for rows, width in ((1, 1536), (9, 100), (300, 64)):
@@ -201,6 +195,6 @@ def test_the_avx2_build_is_bitwise_the_torch_form_too():
 def test_without_vector_units_the_module_builds_and_reports_unavailable():
     """A machine with neither AVX-512 nor AVX2 gets a module whose `available()` is false, so the
     model keeps the torch form (load_cpu_elementwise returns None there)."""
-    portable = build_variant("-mno-avx2", "-O0")  # nothing runs: the quickest build will do
+    portable = elementwise_variant(*ELEMENTWISE_PORTABLE)
     assert portable.available() is False and portable.isa() == ""
     assert not hasattr(portable, "silu_mul")

@@ -1,0 +1,83 @@
+"""Every native build the suite uses, and a background prebuild of them at session start.
+
+The two native modules take a minute or so each to compile on 2 cores, and the kernel tests build
+more variants of them (what machines without AVX-512 or AVX2 compile). Built one after another,
+in whichever test first needs each, the suite waited ~4 minutes on g++ running on one core while
+the other idled. `conftest.py` starts this module as two background processes when the session
+starts — the decode-attention builds in one, the element-wise ones in the other — and whichever
+test needs a module first waits for that build through torch's own lock on the build directory
+(a build in progress is never started twice), then loads it from the cache.
+
+Run as `python -m tests.native_builds decode|elementwise`.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import ModuleType
+
+from engine.native_build import build_native, cpu_flags
+
+# The decode kernel's variants: flag -> the CPU feature it takes away. Where the machine lacks
+# that feature its own build already is that path, and the variant is neither built nor tested.
+DECODE_VARIANTS = {"-mno-avx512f": "avx512f", "-mno-avx512bf16": "avx512_bf16",
+                   "-mno-avx2": "avx2"}
+# The element-wise module built as an AVX2 machine builds it (tested where the machine's own
+# build is AVX-512), and as a machine with no vector units builds it (nothing runs: -O0 will do).
+ELEMENTWISE_AVX2 = ("-mno-avx512f",)
+ELEMENTWISE_PORTABLE = ("-mno-avx2", "-O0")
+
+
+def has(feature: str) -> bool:
+    return feature in cpu_flags().split()
+
+
+def decode_variant(flag: str) -> ModuleType:
+    from engine.attention.cpu_kernel import build_kernel
+
+    return build_kernel(extra_cflags=(flag,))
+
+
+def elementwise_variant(*extra: str) -> ModuleType:
+    from engine.models.cpu_elementwise import CFLAGS, PREFIX, SOURCE
+
+    return build_native(PREFIX, SOURCE, (*CFLAGS, *extra))
+
+
+def _decode_builds() -> None:
+    from engine.attention.cpu_kernel import load_cpu_kernel
+
+    load_cpu_kernel()
+    for flag, feature in DECODE_VARIANTS.items():
+        if has(feature):
+            decode_variant(flag)
+
+
+def _elementwise_builds() -> None:
+    from engine.models.cpu_elementwise import load_cpu_elementwise
+
+    load_cpu_elementwise()
+    if has("avx512f"):
+        elementwise_variant(*ELEMENTWISE_AVX2)
+    elementwise_variant(*ELEMENTWISE_PORTABLE)
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    # Unwinding (not dying on the signal) lets torch release its lock on the build directory, so
+    # an interrupted prebuild never leaves a lock that later builds would wait on forever.
+    raise SystemExit(1)
+
+
+def main(which: str) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    builds = {"decode": _decode_builds, "elementwise": _elementwise_builds}
+    try:
+        builds[which]()
+    except Exception as exc:  # the test that needs the build reports the failure itself
+        print(f"prebuild of the {which} kernels failed: {exc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
