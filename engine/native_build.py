@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
+# A build takes about a minute on 2 cores: a build lock this old outlived the process that took it.
+STALE_LOCK_S = 900.0
 
 
 def cpu_flags() -> str:
@@ -30,11 +33,34 @@ def extension_name(prefix: str, source: Path, cflags: tuple[str, ...]) -> str:
     return f"{prefix}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
+def wait_for_build_lock(name: str, poll_s: float = 0.5) -> bool:
+    """torch waits on a build directory's lock file with no timeout, and a builder killed
+    mid-build (SIGKILL, a parent's death signal) leaves that file behind: every later build of
+    the module would wait forever. This waits while another process builds, but no longer than
+    a lock can live: one older than any build is removed (True if one was)."""
+    from torch.utils.cpp_extension import _get_build_directory  # where load() puts its lock
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    while True:
+        try:
+            age_s = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age_s > STALE_LOCK_S:
+            log.warning("removing a stale build lock (%.0f s old, its builder is gone): %s",
+                        age_s, lock)
+            lock.unlink(missing_ok=True)
+            return True
+        time.sleep(poll_s)
+
+
 def build_native(prefix: str, source: Path, cflags: tuple[str, ...]) -> ModuleType:
     """Compiles (or loads the cached build of) `source`; raises where it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    return load(name=extension_name(prefix, source, cflags), sources=[str(source)],
+    name = extension_name(prefix, source, cflags)
+    wait_for_build_lock(name)
+    return load(name=name, sources=[str(source)],
                 extra_cflags=list(cflags), extra_ldflags=["-fopenmp"], verbose=False)
 
 
