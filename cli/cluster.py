@@ -180,6 +180,9 @@ def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--async-scheduling", action="store_true",
                         help="decode/colocated workers schedule step N+1 while step N runs "
                              "(unproven on a GPU; off by default)")
+    launch.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per engine step on every worker (default: the engine's, "
+                             "512 on CPU)")
     launch.add_argument("--kv-transport", default="auto", choices=["auto", "shared", "dist"],
                         help="how KV moves from prefill to decode workers (auto: shared on one "
                              "host, else dist)")
@@ -255,6 +258,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
                        tensor_parallel_size=args.tensor_parallel_size,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                        http_port=args.http_port, log_level=args.log_level,

@@ -63,6 +63,7 @@ class ClusterSpec:
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
     cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
     async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
+    max_num_batched_tokens: int | None = None  # every worker's step budget (None: its default)
     tensor_parallel_size: int = 1  # ranks per worker (engine.tensor_parallel), every role
     prefill_tp: int | None = None  # prefill workers' ranks (None: tensor_parallel_size)
     decode_tp: int | None = None  # decode workers' ranks (None: tensor_parallel_size)
@@ -83,6 +84,9 @@ class ClusterSpec:
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
         self._check_tensor_parallel()
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
         check_logging(self.log_level, self.log_format)
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
@@ -267,6 +271,8 @@ class LocalCluster:
             args.append("--cuda-graphs")
         if spec.async_scheduling and role != "prefill":
             args.append("--async-scheduling")
+        if spec.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
         if spec.tp_for(role) > 1:
             args += ["--tensor-parallel-size", str(spec.tp_for(role))]
         return [*args, "--kv-transport", spec.kv_transport]

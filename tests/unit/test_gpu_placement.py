@@ -56,6 +56,7 @@ def test_launch_cuda_counts_the_visible_gpus(monkeypatch):
     (["--device", "cuda", "--gpus", "1", "--kv-transport", "dist"],
      "--kv-transport dist needs one GPU per worker .*NCCL cannot put two ranks on one GPU"),
     (["--device", "cuda", "--gpus", "a"], "argument --gpus: invalid int value: 'a'"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
 ])
 def test_bad_launch_flags_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -153,6 +154,19 @@ def test_graphs_reach_every_worker_and_async_scheduling_decode_and_colocated_onl
     cluster.spawn_worker("colocated")
     assert "--async-scheduling" in commands["colocated-0"]
     assert "--cuda-graphs" not in commands["colocated-0"]
+
+
+def test_the_step_budget_reaches_every_worker():
+    """`launch --max-num-batched-tokens N` (vllm serve's flag): every role's step budget."""
+    cluster, commands = fake_cluster(spec_of("--max-num-batched-tokens", "2048"))
+    for role in ("prefill", "decode"):
+        cluster.spawn_worker(role)
+    for args in commands.values():
+        i = args.index("--max-num-batched-tokens")
+        assert args[i + 1] == "2048"
+    cluster, commands = fake_cluster(spec_of())
+    cluster.spawn_worker("decode")
+    assert "--max-num-batched-tokens" not in commands["decode-0"]  # the engine's own default
 
 
 def test_cuda_workers_spread_over_the_gpus_and_a_replacement_takes_the_free_place():
