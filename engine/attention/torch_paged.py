@@ -5,8 +5,9 @@ in place through the block table; without it, they are attended in one batched S
 gathered through the block table (`index_select` on rows of the flattened cache) with an additive
 key-length mask. Prefill and chunked-prefill sequences are attended one by one: a prompt computed
 whole in this step attends its own fresh K/V with `is_causal` (no gather at all); a chunk after a
-cached prefix gathers its blocks and uses a bottom-right causal mask (on CPU: in query tiles,
-see `_attend_prefill_tiled`). On CPU a short chunk after a cached prefix (up to
+cached prefix gathers its blocks and uses a bottom-right causal mask (on CPU SDPA's flash
+kernel, over K/V heads expanded per query head: see `_attend_causal_sdpa`; soft-capped layers
+take query tiles, `_attend_prefill_tiled`). On CPU a short chunk after a cached prefix (up to
 NATIVE_CHUNK_MAX queries) goes to the native kernel too, each query as a decode row whose length
 ends at its own position: that is the bottom-right causal mask, with no gather. The plan (which
 rows are decodes, masks, gather indices) depends only on the step, so
@@ -164,25 +165,48 @@ def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache
         v = _gather(v_cache, p.blocks)[: p.seq_len].transpose(0, 1)
     if window is not None and window >= p.seq_len:
         window = None  # every key is inside it
-    if q.device.type == "cpu" or softcap is not None:  # SDPA cannot soft-cap
+    if softcap is not None:  # SDPA cannot soft-cap
         _attend_prefill_tiled(q[p.q_start:p.q_end], k, v, scale, out[p.q_start:p.q_end], window,
                               softcap)
         return
     q_seq = q[p.q_start:p.q_end].transpose(0, 1)  # [H, lq, D]
-    if window is not None:
-        q_pos = torch.arange(p.seq_len - lq, p.seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=(k_pos <= q_pos)
-                                           & (k_pos > q_pos - window), scale=scale,
-                                           enable_gqa=True)
-    elif lq == p.seq_len:
-        o = F.scaled_dot_product_attention(q_seq, k, v, is_causal=True, scale=scale,
-                                           enable_gqa=True)
+    out[p.q_start:p.q_end] = _attend_causal_sdpa(q_seq, k, v, scale, window).transpose(0, 1)
+
+
+def _attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        window: int | None) -> torch.Tensor:
+    """[H, lq, D]: queries at the end of [n_kv, L, D] keys, bottom-right causal, through SDPA.
+    On CPU the K/V heads are first expanded to one per query head: with `enable_gqa` SDPA takes
+    its math path there (the whole score tensor; ~2.4x slower than the expanded form at 512
+    tokens), expanded it takes the flash kernel (tiles, online softmax): 1.5-1.9x faster than
+    query tiles over bmm in fp32 at 256-1024 queries and ~20x in bf16 on a CPU without bf16
+    arithmetic (AVX2 Zen 3, 2 threads, SmolLM2 shapes; equal at 128 queries or fewer)."""
+    lq, seq_len = q.shape[1], k.shape[1]
+    gqa = {"enable_gqa": True}
+    if q.device.type == "cpu" and k.shape[0] != q.shape[0]:
+        group = q.shape[0] // k.shape[0]
+        k, v, gqa = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), {}
+    q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if window is None and lq == seq_len:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
+    elif window is None and q.device.type != "cpu":
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, seq_len),
+                                           scale=scale, **gqa)
     else:
-        mask = causal_lower_right(lq, p.seq_len)
-        o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    out[p.q_start:p.q_end] = o.transpose(0, 1)
+        mask = _visible_keys(lq, seq_len, window, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **gqa)
+    return o[0]
+
+
+@lru_cache(maxsize=8)
+def _visible_keys(lq: int, seq_len: int, window: int | None,
+                  device: torch.device) -> torch.Tensor:
+    """[lq, seq_len] bool, True = attend: query i sits at position seq_len - lq + i and sees the
+    keys up to it (within `window` of it, with one). Layers of a step share one."""
+    q_pos = torch.arange(seq_len - lq, seq_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
+    visible = k_pos <= q_pos
+    return visible if window is None else visible & (k_pos > q_pos - window)
 
 
 @lru_cache(maxsize=16)
@@ -201,10 +225,10 @@ def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     """Bottom-right causal attention for one sequence's queries ([lq, H, D]; k, v: [n_kv, L, D]),
     PREFILL_TILE query rows at a time, each tile against only the keys it can see, the query
     heads that share a K/V head in one matmul, the mask added to the tile's own keys only (the
-    keys before them are all visible). On CPU, SDPA's whole [H, lq, L] score tensor is a fresh
-    mmap in every layer, paid in page faults, and it computes the masked half: with tiles, the
-    attention share of a 1.8k-token prefill fell from 1.4x to 0.55x the linear layers' time and
-    long-document prefill got 1.26x faster end to end (medians of 3, 1 thread)."""
+    keys before them are all visible). Soft-capped layers (Gemma 2) come here because SDPA cannot
+    soft-cap; against SDPA's math path (the whole [H, lq, L] score tensor, a fresh mmap in every
+    layer) tiles cut the attention share of a 1.8k-token prefill from 1.4x to 0.55x the linear
+    layers' time (medians of 3, 1 thread)."""
     lq, heads, head_dim = q.shape
     n_kv, seq_len = k.shape[0], k.shape[1]
     group, offset = heads // n_kv, seq_len - lq

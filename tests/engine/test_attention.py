@@ -52,7 +52,8 @@ def test_torch_path_matches_reference_fp32(name, n_heads, n_kv):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["decode", "mixed", "chunk_with_cached_prefix"])
+@pytest.mark.parametrize("name", ["decode", "mixed", "chunk_with_cached_prefix",
+                                  "long_prefill_and_chunk"])
 def test_torch_path_matches_reference_bf16(name):
     q_lens, seq_lens = CASES[name]
     args, kwargs = build_case(q_lens, seq_lens, 6, 2, dtype=torch.bfloat16, block_size=32)
