@@ -7,7 +7,8 @@ import argparse
 import statistics
 from typing import Any
 
-LABELS = {"vllm": "vLLM", "ours_colocated": "ours colocated", "ours_1p1d": "ours 1P+1D"}
+LABELS = {"vllm": "vLLM", "ours_colocated": "ours colocated", "ours_1p1d": "ours 1P+1D",
+          "ours_colocated_2048": "ours colocated, budget 2048"}
 INPUT_LEN, OUTPUT_LEN = 256, 128
 # (result key, column heading) of every figure reported, medians over runs.
 FIGURES = (("request_throughput", "req/s"), ("median_ttft_ms", "TTFT p50 ms"),

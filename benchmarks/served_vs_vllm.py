@@ -6,7 +6,9 @@ vLLM's own client (`vllm bench serve`), in one invocation (issue 35, the served 
 
 Systems: `vllm` is `vllm serve MODEL_DIR` with its defaults (.venv-vllm, benchmarks/vllm_env.py's
 environment: VLLM_CPU_OMP_THREADS_BIND = every core); `ours_colocated` is `router launch
---colocated 1 --threads 2`, `ours_1p1d` is `router launch --prefill 1 --decode 1 --threads 1`.
+--colocated 1 --threads 2`, `ours_1p1d` is `router launch --prefill 1 --decode 1 --threads 1`,
+`ours_colocated_2048` (not in the default list) is `ours_colocated` with
+`--max-num-batched-tokens 2048`, vllm serve's CPU step budget.
 Every server serves the model under the same name (the router's: the checkpoint folder's name),
 so the client sends the same body to each. One server at a time; the order of the systems
 alternates between runs (A B C, then C B A, ...); each server starts once per run, gets one
@@ -49,11 +51,15 @@ from benchmarks.vllm_env import VENV_DIR, vllm_env, vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-SYSTEMS = ("vllm", "ours_colocated", "ours_1p1d")
+SYSTEMS = ("vllm", "ours_colocated", "ours_1p1d", "ours_colocated_2048")
 OURS_TOPOLOGY = {"ours_colocated": ("--colocated", "1", "--threads", "2"),
-                 "ours_1p1d": ("--prefill", "1", "--decode", "1", "--threads", "1")}
+                 "ours_1p1d": ("--prefill", "1", "--decode", "1", "--threads", "1"),
+                 # the colocated worker with vllm serve's CPU step budget (ours is 512)
+                 "ours_colocated_2048": ("--colocated", "1", "--threads", "2",
+                                         "--max-num-batched-tokens", "2048")}
 # vLLM's first start compiles the model (torch.compile) before it answers at all.
-READY_TIMEOUT_S = {"vllm": 900.0, "ours_colocated": 300.0, "ours_1p1d": 300.0}
+READY_TIMEOUT_S = {"vllm": 900.0, "ours_colocated": 300.0, "ours_1p1d": 300.0,
+                   "ours_colocated_2048": 300.0}
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL for the whole tree
 WARMUP_TIMEOUT_S = 300.0
 # Fields of the client's detailed result that are per request: only summaries are kept.
@@ -88,7 +94,7 @@ def _positive_rate(value: str) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", type=lambda v: _csv(v, str, SYSTEMS), default=list(SYSTEMS),
+    p.add_argument("--systems", type=lambda v: _csv(v, str, SYSTEMS), default=list(SYSTEMS[:3]),
                    help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--rates", type=lambda v: _csv(v, _positive_rate), default=[1.0, 2.0, 4.0],
                    help="offered request rates (req/s, Poisson arrivals)")
