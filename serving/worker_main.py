@@ -90,7 +90,7 @@ def build_engine(options: WorkerOptions, rank_launcher: RankLauncher | None = No
     cache = CacheConfig(kv_cache_gb=options.kv_cache_gb, shareable=exports_kv_cache(options),
                         gpu_memory_fraction=options.gpu_memory_fraction)
     scheduler = SchedulerConfig.for_device(
-        options.device, max_num_batched_tokens=options.max_num_batched_tokens,
+        options.device, max_num_batched_tokens=options.step_budget,
         queue_policy=options.queue_policy, queue_age_bound_s=options.queue_age_bound_s,
         prefill_chunk_size=options.chunk_size,
         release_passed_blocks=options.role != "prefill")  # its prompts' blocks ship whole

@@ -221,6 +221,26 @@ def test_worker_flags_parse_validate_and_reach_the_scheduler_config(monkeypatch)
     assert (config.scheduler.queue_policy, config.scheduler.queue_age_bound_s) == ("fcfs", 2.5)
 
 
+def test_a_colocated_cpu_worker_takes_vllm_serves_cpu_step_budget(monkeypatch):
+    import torch
+
+    import serving.worker_main as worker_main
+
+    def budget(role: str, *extra: str) -> int | None:
+        return parse_worker_args(role, ["--router", "h:1", *extra]).step_budget
+
+    assert budget("colocated") == 2048
+    assert budget("colocated", "--device", "cuda") is None  # the engine's CUDA default
+    assert budget("prefill") is None and budget("decode") is None  # the engine's 512
+    assert budget("colocated", "--max-num-batched-tokens", "512") == 512
+    monkeypatch.setattr(worker_main, "LLMEngine", lambda config, launcher=None: config)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    for role, expected in (("colocated", 2048), ("decode", 512), ("prefill", 512)):
+        options = parse_worker_args(role, ["--router", "h:1"])
+        config = worker_main.build_engine(options)
+        assert config.scheduler.max_num_batched_tokens == expected
+
+
 def test_a_decode_worker_prefills_in_small_chunks_unless_told_otherwise(capsys):
     def chunk(role: str, *extra: str) -> int | None:
         return parse_worker_args(role, ["--router", "h:1", *extra]).chunk_size

@@ -1,0 +1,83 @@
+"""One sequence's prefill attention on CPU, three forms side by side: SDPA's flash kernel over K/V
+heads expanded per query head (the engine's form), SDPA with `enable_gqa` (which takes SDPA's math
+path on CPU), and query tiles over bmm (`_attend_prefill_tiled`, the engine's form for
+soft-capped layers and its prefill form before eb2367f). Default model's shapes (9 query heads,
+3 K/V heads, d64); `--queries`/`--keys` pairs are a chunk of Q queries at the end of K keys
+(Q == K: a whole prompt). Median ms per call over `--repeats`, the forms alternating.
+
+    python -m benchmarks.prefill_attention_forms [--pairs 512:512,256:768,512:1024,128:1024]
+        [--dtypes float32,bfloat16] [--repeats 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.torch_paged import _attend_causal_sdpa, _attend_prefill_tiled
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """q: [lq, H, D]; k, v: [n_kv, L, D]. Each form writes or returns [lq, H, D]."""
+    scale, out = HEAD_DIM ** -0.5, torch.empty_like(q)
+    q_heads = q.transpose(0, 1)
+    lq, seq_len = q.shape[0], k.shape[1]
+    mask = torch.ones(lq, seq_len, dtype=torch.bool).tril_(seq_len - lq)
+
+    def gqa_math() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_heads, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+
+    return {"sdpa, K/V expanded": lambda: _attend_causal_sdpa(q_heads, k, v, scale, None),
+            "sdpa, enable_gqa": gqa_math,
+            "query tiles": lambda: _attend_prefill_tiled(q, k, v, scale, out)}
+
+
+def measure(lq: int, seq_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(lq, HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(KV_HEADS, seq_len, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(KV_HEADS, seq_len, HEAD_DIM, generator=g).to(dtype)
+    calls = forms(q, k, v)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(repeats + 2):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if i >= 2:  # the first calls allocate and warm caches
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", default="512:512,256:768,512:1024,128:1024",
+                   help="comma list of QUERIES:KEYS")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs.split(",")]
+    print(f"machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
+          f"ms per call, median of {args.repeats}")
+    print("| dtype | queries × keys | SDPA, K/V expanded | SDPA, enable_gqa | query tiles |")
+    print("|---|---|---|---|---|")
+    for dtype_name in args.dtypes.split(","):
+        for lq, seq_len in pairs:
+            ms = measure(lq, seq_len, getattr(torch, dtype_name), args.repeats)
+            cells = " | ".join(f"{v:.2f}" for v in ms.values())
+            print(f"| {dtype_name} | {lq} × {seq_len} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
