@@ -177,10 +177,10 @@ def _attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
                         window: int | None) -> torch.Tensor:
     """[H, lq, D]: queries at the end of [n_kv, L, D] keys, bottom-right causal, through SDPA.
     On CPU the K/V heads are first expanded to one per query head: with `enable_gqa` SDPA takes
-    its math path there (the whole score tensor; ~2.4x slower than the expanded form at 512
-    tokens), expanded it takes the flash kernel (tiles, online softmax): 1.5-1.9x faster than
-    query tiles over bmm in fp32 at 256-1024 queries and ~20x in bf16 on a CPU without bf16
-    arithmetic (AVX2 Zen 3, 2 threads, SmolLM2 shapes; equal at 128 queries or fewer)."""
+    its math path there (the whole score tensor: 1.4-2.6x slower than the expanded form),
+    expanded it takes the flash kernel (tiles, online softmax): 1.02-1.23x faster than query
+    tiles over bmm in fp32 and 17-24x in bf16 on a CPU without bf16 arithmetic (128-512 queries,
+    512-1024 keys; AVX2 Zen 3, 2 threads, SmolLM2 shapes; benchmarks.prefill_attention_forms)."""
     lq, seq_len = q.shape[1], k.shape[1]
     gqa = {"enable_gqa": True}
     if q.device.type == "cpu" and k.shape[0] != q.shape[0]:
