@@ -58,8 +58,7 @@ OURS_TOPOLOGY = {"ours_colocated": ("--colocated", "1", "--threads", "2"),
                  "ours_colocated_2048": ("--colocated", "1", "--threads", "2",
                                          "--max-num-batched-tokens", "2048")}
 # vLLM's first start compiles the model (torch.compile) before it answers at all.
-READY_TIMEOUT_S = {"vllm": 900.0, "ours_colocated": 300.0, "ours_1p1d": 300.0,
-                   "ours_colocated_2048": 300.0}
+READY_TIMEOUT_S = {"vllm": 900.0, **{system: 300.0 for system in OURS_TOPOLOGY}}
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL for the whole tree
 WARMUP_TIMEOUT_S = 300.0
 # Fields of the client's detailed result that are per request: only summaries are kept.
