@@ -8,7 +8,7 @@ import statistics
 from typing import Any
 
 LABELS = {"vllm": "vLLM", "ours_colocated": "ours colocated", "ours_1p1d": "ours 1P+1D",
-          "ours_colocated_2048": "ours colocated, budget 2048"}
+          "ours_colocated_512": "ours colocated, budget 512"}
 INPUT_LEN, OUTPUT_LEN = 256, 128
 # (result key, column heading) of every figure reported, medians over runs.
 FIGURES = (("request_throughput", "req/s"), ("median_ttft_ms", "TTFT p50 ms"),

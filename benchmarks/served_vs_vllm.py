@@ -7,8 +7,7 @@ vLLM's own client (`vllm bench serve`), in one invocation (issue 35, the served 
 Systems: `vllm` is `vllm serve MODEL_DIR` with its defaults (.venv-vllm, benchmarks/vllm_env.py's
 environment: VLLM_CPU_OMP_THREADS_BIND = every core); `ours_colocated` is `router launch
 --colocated 1 --threads 2`, `ours_1p1d` is `router launch --prefill 1 --decode 1 --threads 1`,
-`ours_colocated_2048` (not in the default list) is `ours_colocated` with
-`--max-num-batched-tokens 2048`, vllm serve's CPU step budget.
+`ours_colocated_512` (not a default) adds `--max-num-batched-tokens 512`, its budget before f5b0b0c.
 Every server serves the model under the same name (the router's: the checkpoint folder's name),
 so the client sends the same body to each. One server at a time; the order of the systems
 alternates between runs (A B C, then C B A, ...); each server starts once per run, gets one
@@ -51,12 +50,12 @@ from benchmarks.vllm_env import VENV_DIR, vllm_env, vllm_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-SYSTEMS = ("vllm", "ours_colocated", "ours_1p1d", "ours_colocated_2048")
+SYSTEMS = ("vllm", "ours_colocated", "ours_1p1d", "ours_colocated_512")
 OURS_TOPOLOGY = {"ours_colocated": ("--colocated", "1", "--threads", "2"),
                  "ours_1p1d": ("--prefill", "1", "--decode", "1", "--threads", "1"),
-                 # the colocated worker with vllm serve's CPU step budget (ours is 512)
-                 "ours_colocated_2048": ("--colocated", "1", "--threads", "2",
-                                         "--max-num-batched-tokens", "2048")}
+                 # the colocated worker at the engine's budget (its default is 2048 on CPU)
+                 "ours_colocated_512": ("--colocated", "1", "--threads", "2",
+                                        "--max-num-batched-tokens", "512")}
 # vLLM's first start compiles the model (torch.compile) before it answers at all.
 READY_TIMEOUT_S = {"vllm": 900.0, **{system: 300.0 for system in OURS_TOPOLOGY}}
 STOP_GRACE_S = 60.0  # SIGTERM, then SIGKILL for the whole tree

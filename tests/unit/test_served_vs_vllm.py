@@ -59,8 +59,8 @@ def test_vllm_serve_command(tmp_path):
 @pytest.mark.parametrize("system,topology", [
     ("ours_colocated", ["--colocated", "1", "--threads", "2"]),
     ("ours_1p1d", ["--prefill", "1", "--decode", "1", "--threads", "1"]),
-    ("ours_colocated_2048", ["--colocated", "1", "--threads", "2",
-                             "--max-num-batched-tokens", "2048"])])
+    ("ours_colocated_512", ["--colocated", "1", "--threads", "2",
+                            "--max-num-batched-tokens", "512"])])
 def test_router_launch_command(system, topology):
     cmd = svv.ours_command(system, 50100, 8124, "bfloat16", Path("/logs"), python="py")
     assert cmd == ["py", "-m", "router", "launch", *topology, "--host", "127.0.0.1",
