@@ -120,6 +120,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     the GPU stages keep their device time to themselves)."""
     if torch.cuda.is_available():
         return
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # under pytest-xdist every worker collects the same tests: one of them builds
     root = Path(__file__).resolve().parent.parent
     paths = [Path(item.path).resolve() for item in session.items]
     if any(str(p.relative_to(root)).startswith(_NEEDS_NATIVE) for p in paths
