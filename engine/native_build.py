@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
-# A build takes about a minute on 2 cores: a build lock this old outlived the process that took it.
+# A build takes under a minute on 2 cores: a build lock this old outlived the process that took it.
 STALE_LOCK_S = 900.0
 
 

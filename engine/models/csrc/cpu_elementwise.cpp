@@ -14,8 +14,12 @@
 // Without AVX-512 (F, BW, VL) or AVX2 the module builds but `available()` is false and the model
 // keeps the torch form.
 
-#include <torch/extension.h>
+// Headers: only what the kernels use and the pybind11 tensor caster (<torch/extension.h>, the
+// whole C++ frontend, took 35 s of a ~43 s build on 2 cores).
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -271,8 +275,8 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t cols) {
 }
 
 template <typename T>
-void add_rms_norm_typed(const torch::Tensor& h, const c10::optional<torch::Tensor>& delta,
-                        const torch::Tensor& weight, torch::Tensor& residual, torch::Tensor& out,
+void add_rms_norm_typed(const at::Tensor& h, const c10::optional<at::Tensor>& delta,
+                        const at::Tensor& weight, at::Tensor& residual, at::Tensor& out,
                         double eps) {
   const int64_t rows = h.size(0), cols = h.size(1);
   const T* hp = h.data_ptr<T>();
@@ -288,7 +292,7 @@ void add_rms_norm_typed(const torch::Tensor& h, const c10::optional<torch::Tenso
 }
 
 template <typename T>
-void rope_typed(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rope_typed(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
   T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
@@ -299,7 +303,7 @@ void rope_typed(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor&
 }
 
 template <typename T>
-void silu_mul_typed(const torch::Tensor& gate_up, torch::Tensor& out) {
+void silu_mul_typed(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), cols = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -309,7 +313,7 @@ void silu_mul_typed(const torch::Tensor& gate_up, torch::Tensor& out) {
   });
 }
 
-void check_dtype(const torch::Tensor& t, const char* name) {
+void check_dtype(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, got ", t.scalar_type());
@@ -319,8 +323,8 @@ void check_dtype(const torch::Tensor& t, const char* name) {
 
 // (h + delta, rms_norm(h + delta) * weight) for h [rows, hidden]; delta None: (h, rms_norm(h) *
 // weight).
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Tensor> delta,
-                                        torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor h, c10::optional<at::Tensor> delta,
+                                     at::Tensor weight, double eps) {
   check_dtype(h, "h");
   TORCH_CHECK(h.dim() == 2, "h must be [rows, hidden]");
   h = h.contiguous();
@@ -332,8 +336,10 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h.size(1) &&
                   weight.scalar_type() == h.scalar_type() && weight.is_contiguous(),
               "weight must be a contiguous [hidden] vector of h's dtype");
-  torch::Tensor residual = delta.has_value() ? torch::empty_like(h) : h;
-  torch::Tensor out = torch::empty_like(h);
+  // h is contiguous here: these are what torch::empty_like(h) gives it
+  at::Tensor out = at::detail::empty_cpu(h.sizes(), h.options());
+  at::Tensor residual = h;
+  if (delta.has_value()) residual = at::detail::empty_cpu(h.sizes(), h.options());
   if (h.scalar_type() == at::kFloat)
     add_rms_norm_typed<float>(h, delta, weight, residual, out, eps);
   else
@@ -343,7 +349,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, c10::optional<torch::Te
 
 // RoPE (rotate-half form) in place on x [tokens, heads, head_dim] (each token's heads contiguous,
 // tokens strided: a view of the fused qkv projection) with cos, sin [tokens, head_dim].
-torch::Tensor rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rope_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_dtype(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x must be [tokens, heads, head_dim] with each token's heads contiguous");
@@ -360,11 +366,12 @@ torch::Tensor rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 }
 
 // silu(gate) * up for gate_up [rows, 2 * I], gate first (the fused weight's layout).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_dtype(gate_up, "gate_up");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * I]");
   gate_up = gate_up.contiguous();
-  torch::Tensor out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  at::Tensor out = at::detail::empty_cpu({gate_up.size(0), gate_up.size(1) / 2},
+                                          gate_up.options());
   if (gate_up.scalar_type() == at::kFloat)
     silu_mul_typed<float>(gate_up, out);
   else
