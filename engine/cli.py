@@ -126,9 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "build-kernels":
             from engine.attention.cpu_kernel import load_cpu_kernel
             from engine.models.cpu_elementwise import load_cpu_elementwise
+            from engine.models.cpu_small_gemm import load_cpu_small_gemm, measured_machine
 
             kernels = {"decode attention": load_cpu_kernel(),
                        "element-wise": load_cpu_elementwise()}
+            if measured_machine():  # elsewhere oneDNN serves every linear: nothing to build
+                kernels["few-row GEMM"] = load_cpu_small_gemm()
             for what, kernel in kernels.items():
                 print(kernel.__file__ if kernel else
                       f"native CPU {what} kernels unavailable (torch path used)")

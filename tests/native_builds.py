@@ -1,13 +1,13 @@
 """Every native build the suite uses, and a background prebuild of them at session start.
 
-The two native modules take 15-30 s each to compile on 2 cores (a minute or so each while they
+The native modules take 15-30 s each to compile on 2 cores (a minute or so each while they
 included <torch/extension.h>), and the kernel tests build more variants of them (what machines
 without AVX-512 or AVX2 compile). Built one after another, in whichever test first needs each,
 the suite once waited ~4 minutes on g++ running on one core while the other idled. `conftest.py`
 starts this module as two background processes when the session starts — the decode-attention
-builds in one, the element-wise ones in the other — and whichever test needs a module first
-waits for that build through torch's own lock on the build directory (a build in progress is
-never started twice), then loads it from the cache.
+builds in one, the element-wise ones and the few-row GEMM in the other — and whichever test
+needs a module first waits for that build through torch's own lock on the build directory (a
+build in progress is never started twice), then loads it from the cache.
 
 Run as `python -m tests.native_builds decode|elementwise`.
 """
@@ -62,6 +62,10 @@ def _elementwise_builds() -> None:
     if has("avx512f"):
         elementwise_variant(*ELEMENTWISE_AVX2)
     elementwise_variant(*ELEMENTWISE_PORTABLE)
+    if has("avx2") and has("fma"):  # the few-row GEMM (its tests build it on any such CPU)
+        from engine.models.cpu_small_gemm import build_small_gemm
+
+        build_small_gemm()
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:

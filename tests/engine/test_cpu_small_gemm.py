@@ -1,0 +1,113 @@
+"""The few-row float32 GEMM (engine/models/csrc/cpu_small_gemm.cpp) against a float64 reference:
+every tile remainder (1-4 rows, and rows past MAX_ROWS), output widths on and off the 24-column
+panel grid, odd inner sizes, bias, rows with a stride; inputs it refuses; which rows `Linear`
+sends to it; and the whole model: greedy tokens equal to oneDNN's, logits within float32
+rounding of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.models import linear as linear_module
+from engine.models.cpu_small_gemm import MAX_ROWS, SmallRowGemm, build_small_gemm
+from engine.models.linear import Linear
+from engine.request import SamplingParams
+from tests.native_builds import has
+
+
+@pytest.fixture(scope="module")
+def native():
+    if not (has("avx2") and has("fma")):
+        pytest.skip("the few-row GEMM needs AVX2 and FMA")
+    module = build_small_gemm()
+    assert module is not None, "the CPU has AVX2 and FMA but the few-row GEMM did not build"
+    return module
+
+
+def rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if bias is None else bias.double())
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
+    # float32 sums of `inner` products of unit normals: error grows like sqrt(inner) ulps
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got.double() - want).abs().max().item() <= 2e-6 * inner ** 0.5 * 8
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 13), (7, 64), (24, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_float64_reference(native, rows, out_features, in_features, with_bias):
+    w = rand(out_features, in_features, seed=1)
+    bias = rand(out_features, seed=2) if with_bias else None
+    x = rand(rows, in_features, seed=3)
+    got = SmallRowGemm(native, w, bias)(x)
+    assert_close(got, reference(x, w, bias), in_features)
+
+
+def test_rows_with_a_stride_and_a_strided_weight(native):
+    x = rand(6, 100, seed=4)[:, 10:74]  # row stride 100, 64 columns
+    w = rand(64, 40, seed=5).t()  # [40, 64], not contiguous: packed from its values
+    got = SmallRowGemm(native, w, None)(x)
+    assert_close(got, reference(x, w, None), 64)
+
+
+def test_refuses_what_it_cannot_compute(native):
+    gemm = SmallRowGemm(native, rand(48, 32, seed=6), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        gemm(rand(2, 32, seed=7).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="in_features"):
+        gemm(rand(2, 31, seed=7))
+    with pytest.raises(RuntimeError, match="float32"):
+        native.pack(rand(48, 32, seed=6).to(torch.bfloat16))
+
+
+def test_linear_sends_few_rows_to_it_and_more_to_onednn(native, monkeypatch):
+    monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda: native)
+    w, bias = rand(96, 64, seed=8), rand(96, seed=9)
+    layer = Linear(w, bias)
+    assert layer.small_rows is not None
+    calls: list[int] = []
+    kernel = SmallRowGemm.__call__
+    monkeypatch.setattr(SmallRowGemm, "__call__",
+                        lambda self, x: calls.append(x.shape[0]) or kernel(self, x))
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1, 200):
+        x = rand(rows, 64, seed=rows)
+        assert_close(layer(x), reference(x, w, bias), 64)
+    assert calls == [1, MAX_ROWS]
+    assert Linear(w.to(torch.bfloat16)).small_rows is None  # float32 weights only
+
+
+def test_model_greedy_tokens_equal_onednn(native, tiny_llama_dir, monkeypatch):
+    """The tiny Llama in float32 with the kernel and with oneDNN: the same greedy tokens, logits
+    within float32 rounding (batches of 1-5 rows go to the kernel, the prefill to oneDNN)."""
+    prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    results = {}
+    for name, module in (("kernel", native), ("onednn", None)):
+        monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda m=module: m)
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
+                                        cache=CacheConfig(kv_cache_gb=0.05)))
+        assert (engine.runner.model.layers[0].qkv_proj.small_rows is not None) == (
+            module is not None)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        results[name] = [done[str(i)] for i in range(len(prompts))]
+    for a, b in zip(results["kernel"], results["onednn"]):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
