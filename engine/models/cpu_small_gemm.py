@@ -1,11 +1,16 @@
-"""float32 linear layers at few rows on CPUs with AVX2 and no AVX-512 (csrc/cpu_small_gemm.cpp).
+"""float32 linear layers through a native panel GEMM on AVX2 CPUs (csrc/cpu_small_gemm.cpp).
 
 A decode step of 1-24 sequences is bound by streaming the weights; oneDNN's blocked fp32 GEMM
-reached 45-65% of that bound there, a panel kernel that reads each weight once per 4 rows gets
-closer (BENCHMARKS.md, "Linears at few rows"). Each such layer keeps a second copy of its weight,
-packed for the kernel, beside oneDNN's (which serves every larger step): float32 linear weights
-take twice their memory. Used where measured faster: AVX2 machines without AVX-512 (on AVX-512
-machines oneDNN's own kernels were not compared against it, so they keep oneDNN).
+reached 45-65% of that bound there, a panel kernel that reads each weight once per tile of rows
+gets closer (BENCHMARKS.md, "Linears at few rows"). Where it is used, as measured against oneDNN
+inside the default model's steps:
+- the AVX2 form (tiles of 4 rows; AMD EPYC Zen 3): steps of at most 24 rows; oneDNN was at
+  parity at 32 and faster above;
+- the AVX-512 form (tiles of 8 rows; AMD EPYC Zen 4): every row count: 1.1-1.5x oneDNN in
+  decode steps of 1-192 rows, at parity or better in prefill-sized products (Intel AVX-512
+  parts were not measured).
+Each such layer keeps its packed copy beside oneDNN's (which serves what the kernel does not
+take, such as a 3-D input): float32 linear weights take twice their memory.
 PDSERVE_DISABLE_CPU_SMALL_GEMM=1 keeps oneDNN everywhere.
 """
 
@@ -24,15 +29,21 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_small_gemm.cpp"
 DISABLE_ENV = "PDSERVE_DISABLE_CPU_SMALL_GEMM"
 PREFIX = "pdserve_cpu_small_gemm"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
-# Rows up to which the kernel beat oneDNN inside a decode step's linears (1-24 measured faster,
-# 32 at parity, 64 and prefill steps slower).
-MAX_ROWS = 24
+# Rows up to which the AVX2 form beat oneDNN inside a decode step's linears (1-24 measured
+# faster, 32 at parity, 64 and prefill steps slower). The AVX-512 form has no limit.
+AVX2_MAX_ROWS = 24
 
 
 def measured_machine() -> bool:
-    """AVX2 and FMA without AVX-512: where the kernel was measured against oneDNN."""
+    """AVX2 and FMA (the AVX2 form, or the AVX-512 form where the CPU has AVX-512): where the
+    kernel was measured against oneDNN."""
     flags = cpu_flags().split()
-    return "avx2" in flags and "fma" in flags and "avx512f" not in flags
+    return "avx2" in flags and "fma" in flags
+
+
+def max_rows(native: ModuleType) -> int | None:
+    """The most rows a call may have to take the kernel; None: any number."""
+    return None if native.max_tile_rows() >= 8 else AVX2_MAX_ROWS
 
 
 def build_small_gemm() -> ModuleType | None:
@@ -51,16 +62,18 @@ def load_cpu_small_gemm() -> ModuleType | None:
 
 
 class SmallRowGemm:
-    """One weight packed for the kernel: `__call__(x)` for x of at most MAX_ROWS rows."""
+    """One weight packed for the kernel: `__call__(x)` for the x it `fits`."""
 
     def __init__(self, native: ModuleType, weight: torch.Tensor, bias: torch.Tensor | None):
         self.native = native
+        self.max_rows = max_rows(native)
         self.out_features = weight.shape[0]
         self.packed = native.pack(weight)
         self.bias = bias.contiguous() if bias is not None else None
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+        return (x.dim() == 2 and x.dtype == torch.float32
+                and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.linear(x, self.packed, self.out_features, self.bias)

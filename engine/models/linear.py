@@ -2,8 +2,8 @@
 
 On CPU the weight is reordered into oneDNN's blocked layout, which keeps small-batch (decode)
 matmuls near peak where a plain `F.linear` loses 2-4x; elsewhere it is a plain `F.linear`. On
-AVX2 CPUs without AVX-512, float32 steps of few rows take a native panel kernel instead
-(engine.models.cpu_small_gemm), which streams the weights closer to memory speed than oneDNN.
+AVX2 CPUs, float32 steps take a native panel kernel instead where it was measured faster
+(engine.models.cpu_small_gemm: few rows with AVX2, every step with AVX-512).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The few-row float32 GEMM (engine/models/csrc/cpu_small_gemm.cpp) against a float64 reference:
-every tile remainder (1-4 rows, and rows past MAX_ROWS), output widths on and off the 24-column
-panel grid, odd inner sizes, bias, rows with a stride; inputs it refuses; which rows `Linear`
-sends to it; and the whole model: greedy tokens equal to oneDNN's, logits within float32
-rounding of them."""
+every tile remainder (1-4 rows with AVX2, 1-8 with AVX-512, and rows past AVX2_MAX_ROWS), output
+widths on and off the 24- and 48-column panel grids, odd inner sizes, bias, rows with a stride;
+inputs it refuses; which rows `Linear` sends to it; the AVX-512 form bit for bit the AVX2 form;
+and the whole model: greedy tokens equal to oneDNN's, logits within float32 rounding of them."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ import torch.nn.functional as F
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.models import linear as linear_module
-from engine.models.cpu_small_gemm import MAX_ROWS, SmallRowGemm, build_small_gemm
+from engine.models.cpu_small_gemm import (
+    AVX2_MAX_ROWS,
+    CFLAGS,
+    PREFIX,
+    SOURCE,
+    SmallRowGemm,
+    build_small_gemm,
+)
 from engine.models.linear import Linear
+from engine.native_build import try_build_native
 from engine.request import SamplingParams
 from tests.native_builds import has
 
@@ -42,7 +50,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
     assert (got.double() - want).abs().max().item() <= 2e-6 * inner ** 0.5 * 8
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 24, 30])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 13, 24, 30, 100])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 13), (7, 64), (24, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_float64_reference(native, rows, out_features, in_features, with_bias):
@@ -79,16 +87,20 @@ def test_linear_sends_few_rows_to_it_and_more_to_onednn(native, monkeypatch):
     kernel = SmallRowGemm.__call__
     monkeypatch.setattr(SmallRowGemm, "__call__",
                         lambda self, x: calls.append(x.shape[0]) or kernel(self, x))
-    for rows in (1, MAX_ROWS, MAX_ROWS + 1, 200):
+    sizes = (1, AVX2_MAX_ROWS, AVX2_MAX_ROWS + 1, 200)
+    for rows in sizes:
         x = rand(rows, 64, seed=rows)
         assert_close(layer(x), reference(x, w, bias), 64)
-    assert calls == [1, MAX_ROWS]
+    # the AVX2 form takes few rows only; the AVX-512 form every step
+    assert calls == ([1, AVX2_MAX_ROWS] if native.max_tile_rows() == 4 else list(sizes))
+    assert layer(rand(2, 3, 64, seed=1)).shape == (2, 3, 96)  # not 2-D: oneDNN
     assert Linear(w.to(torch.bfloat16)).small_rows is None  # float32 weights only
 
 
 def test_model_greedy_tokens_equal_onednn(native, tiny_llama_dir, monkeypatch):
     """The tiny Llama in float32 with the kernel and with oneDNN: the same greedy tokens, logits
-    within float32 rounding (batches of 1-5 rows go to the kernel, the prefill to oneDNN)."""
+    within float32 rounding (batches of 1-5 rows go to the kernel, the prefill too with
+    AVX-512)."""
     prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     results = {}
@@ -111,3 +123,15 @@ def test_model_greedy_tokens_equal_onednn(native, tiny_llama_dir, monkeypatch):
         for la, lb in zip(a.logprobs, b.logprobs):
             assert la.keys() == lb.keys()
             assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+
+
+def test_avx512_form_equals_the_avx2_form_bit_for_bit(native):
+    """Each output is the same chain of FMAs over k in both forms, whatever the tiling."""
+    if native.max_tile_rows() == 4:
+        pytest.skip("this CPU builds the AVX2 form only")
+    avx2 = try_build_native(PREFIX, SOURCE, (*CFLAGS, "-mno-avx512f"), "few-row GEMM, AVX2")
+    assert avx2 is not None and avx2.max_tile_rows() == 4 and avx2.panel_width() == 24
+    w, bias = rand(100, 77, seed=10), rand(100, seed=11)
+    for rows in (1, 5, 8, 13, 24, 37):
+        x = rand(rows, 77, seed=rows)
+        assert torch.equal(SmallRowGemm(native, w, bias)(x), SmallRowGemm(avx2, w, bias)(x))

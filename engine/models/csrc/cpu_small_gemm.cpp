@@ -1,15 +1,19 @@
-// float32 linear layers at few rows (decode steps of 1-24 sequences) on AVX2 + FMA CPUs:
-// y[M, N] = x[M, K] W[N, K]^T (+ bias), W packed once into panels of 24 output columns,
-// [ceil(N / 24), K, 24], each panel one contiguous stream of K * 96 bytes.
+// float32 linear layers at few rows (decode steps of 1-24 sequences) on AVX2 + FMA CPUs, with
+// an AVX-512 form where the build has it:
+// y[M, N] = x[M, K] W[N, K]^T (+ bias), W packed once into panels of 3 vectors of output columns
+// (24 with AVX2, 48 with AVX-512), [ceil(N / kPanel), K, kPanel], each panel one contiguous
+// stream of K * kPanel floats.
 //
 // At few rows a decode step's linears are bound by streaming the weights from memory. oneDNN's
 // blocked fp32 GEMM reached 45-65% of that bound at 1-16 rows on an AVX2 machine (AMD EPYC Zen 3,
-// 2 threads); this kernel streams each panel once per 4 rows with every load feeding 4-12 FMAs:
-// 4 rows x 3 vectors of 8 columns in 12 accumulators, the panel row (3 loads) shared by the 4
-// rows and each x element broadcast once. Threads split the panels.
+// 2 threads); this kernel streams each panel once per tile of rows with every load feeding
+// 4-24 FMAs: a tile is up to kMaxRows rows (4 with AVX2's 16 registers, 8 with AVX-512's 32) x 3
+// vectors in named accumulators, the panel row (3 loads) shared by the tile's rows and each x
+// element broadcast once. Threads split the panels.
 //
-// Sums run over k in order, one FMA per step, in float32: not bitwise the order of any BLAS (no
-// GEMM promises one), within float32 rounding of it (the tests bound it).
+// Sums run over k in order, one FMA per step, in float32: every output element is the same
+// chain of FMAs in either form (so both forms give the same bits), not bitwise the order of any
+// BLAS (no GEMM promises one), within float32 rounding of it (the tests bound it).
 
 // Headers: only what the kernel uses and the pybind11 tensor caster (see cpu_elementwise.cpp).
 #include <ATen/EmptyTensor.h>
@@ -27,84 +31,101 @@
 
 namespace {
 
-constexpr int64_t kPanel = 24;  // output columns per panel: 3 AVX2 vectors
+#if defined(PDSERVE_SMALL_GEMM) && defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int kMaxRows = 8;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#elif defined(PDSERVE_SMALL_GEMM)
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int kMaxRows = 4;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kMaxRows = 4;
+#endif
+
+constexpr int64_t kPanel = 3 * kLanes;  // output columns per panel: 3 vectors
 
 #ifdef PDSERVE_SMALL_GEMM
 
-inline void store_row(float* out, __m256 a, __m256 b, __m256 c, const float* bias) {
+inline void store_row(float* out, Vec a, Vec b, Vec c, const float* bias) {
   if (bias != nullptr) {
-    a = _mm256_add_ps(a, _mm256_loadu_ps(bias));
-    b = _mm256_add_ps(b, _mm256_loadu_ps(bias + 8));
-    c = _mm256_add_ps(c, _mm256_loadu_ps(bias + 16));
+    a = vadd(a, vload(bias));
+    b = vadd(b, vload(bias + kLanes));
+    c = vadd(c, vload(bias + 2 * kLanes));
   }
-  _mm256_storeu_ps(out, a);
-  _mm256_storeu_ps(out + 8, b);
-  _mm256_storeu_ps(out + 16, c);
+  vstore(out, a);
+  vstore(out + kLanes, b);
+  vstore(out + 2 * kLanes, c);
 }
 
-// out[MT, 24] = x[MT, K] panel[K, 24] (+ bias), MT <= 4. The 12 accumulators are named
-// variables, not an array: with an array GCC kept them in memory through the k loop in some
-// builds (a store per FMA, 1.5x slower at 8-24 rows).
+// Row r of a tile: its x element broadcast once, three FMAs against the panel row.
+#define PDSERVE_TILE_ROW(r)                              \
+  if constexpr (MT > r) {                                \
+    const Vec xr = vbroadcast(x + (r) * ldx + k);        \
+    acc##r##_0 = vfma(xr, w0, acc##r##_0);               \
+    acc##r##_1 = vfma(xr, w1, acc##r##_1);               \
+    acc##r##_2 = vfma(xr, w2, acc##r##_2);               \
+  }
+#define PDSERVE_TILE_ACC(r) Vec acc##r##_0 = vzero(), acc##r##_1 = vzero(), acc##r##_2 = vzero();
+#define PDSERVE_TILE_STORE(r) \
+  if constexpr (MT > r) store_row(out + (r) * ldo, acc##r##_0, acc##r##_1, acc##r##_2, bias);
+
+// out[MT, kPanel] = x[MT, K] panel[K, kPanel] (+ bias), MT <= kMaxRows. The accumulators are
+// named variables, not an array: with an array GCC kept them in memory through the k loop in
+// some builds (a store per FMA, 1.5x slower at 8-24 rows).
 template <int MT>
 inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
                  float* out, int64_t ldo) {
-  static_assert(MT >= 1 && MT <= 4, "1-4 rows per tile");
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 a0 = zero, a1 = zero, a2 = zero, b0 = zero, b1 = zero, b2 = zero;
-  __m256 c0 = zero, c1 = zero, c2 = zero, d0 = zero, d1 = zero, d2 = zero;
+  static_assert(MT >= 1 && MT <= kMaxRows, "1-kMaxRows rows per tile");
+  PDSERVE_TILE_ACC(0) PDSERVE_TILE_ACC(1) PDSERVE_TILE_ACC(2) PDSERVE_TILE_ACC(3)
+  PDSERVE_TILE_ACC(4) PDSERVE_TILE_ACC(5) PDSERVE_TILE_ACC(6) PDSERVE_TILE_ACC(7)
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * kPanel;
-    const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8),
-                 w2 = _mm256_loadu_ps(p + 16);
-    const __m256 xa = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(xa, w0, a0);
-    a1 = _mm256_fmadd_ps(xa, w1, a1);
-    a2 = _mm256_fmadd_ps(xa, w2, a2);
-    if constexpr (MT > 1) {
-      const __m256 xb = _mm256_broadcast_ss(x + ldx + k);
-      b0 = _mm256_fmadd_ps(xb, w0, b0);
-      b1 = _mm256_fmadd_ps(xb, w1, b1);
-      b2 = _mm256_fmadd_ps(xb, w2, b2);
-    }
-    if constexpr (MT > 2) {
-      const __m256 xc = _mm256_broadcast_ss(x + 2 * ldx + k);
-      c0 = _mm256_fmadd_ps(xc, w0, c0);
-      c1 = _mm256_fmadd_ps(xc, w1, c1);
-      c2 = _mm256_fmadd_ps(xc, w2, c2);
-    }
-    if constexpr (MT > 3) {
-      const __m256 xd = _mm256_broadcast_ss(x + 3 * ldx + k);
-      d0 = _mm256_fmadd_ps(xd, w0, d0);
-      d1 = _mm256_fmadd_ps(xd, w1, d1);
-      d2 = _mm256_fmadd_ps(xd, w2, d2);
-    }
+    const Vec w0 = vload(p), w1 = vload(p + kLanes), w2 = vload(p + 2 * kLanes);
+    PDSERVE_TILE_ROW(0) PDSERVE_TILE_ROW(1) PDSERVE_TILE_ROW(2) PDSERVE_TILE_ROW(3)
+    PDSERVE_TILE_ROW(4) PDSERVE_TILE_ROW(5) PDSERVE_TILE_ROW(6) PDSERVE_TILE_ROW(7)
   }
-  store_row(out, a0, a1, a2, bias);
-  if constexpr (MT > 1) store_row(out + ldo, b0, b1, b2, bias);
-  if constexpr (MT > 2) store_row(out + 2 * ldo, c0, c1, c2, bias);
-  if constexpr (MT > 3) store_row(out + 3 * ldo, d0, d1, d2, bias);
+  PDSERVE_TILE_STORE(0) PDSERVE_TILE_STORE(1) PDSERVE_TILE_STORE(2) PDSERVE_TILE_STORE(3)
+  PDSERVE_TILE_STORE(4) PDSERVE_TILE_STORE(5) PDSERVE_TILE_STORE(6) PDSERVE_TILE_STORE(7)
 }
 
-// Rows [0, M) of x against one full panel, 4 rows at a time (the panel stays in L1/L2).
+// The remaining 1 .. kMaxRows - 1 rows of a panel, as one tile of that many.
+template <int MT = kMaxRows - 1>
+inline void tail_tile(int rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                      const float* bias, float* out, int64_t ldo) {
+  if constexpr (MT >= 1) {
+    if (rows == MT) return tile<MT>(x, ldx, panel, K, bias, out, ldo);
+    tail_tile<MT - 1>(rows, x, ldx, panel, K, bias, out, ldo);
+  }
+}
+
+// Rows [0, M) of x against one full panel, kMaxRows rows at a time (the panel stays in L1/L2).
 void full_panel(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
                 const float* bias, float* out, int64_t ldo) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile<4>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo);
-  const float* xm = x + m * ldx;
-  float* om = out + m * ldo;
-  switch (M - m) {
-    case 3: tile<3>(xm, ldx, panel, K, bias, om, ldo); break;
-    case 2: tile<2>(xm, ldx, panel, K, bias, om, ldo); break;
-    case 1: tile<1>(xm, ldx, panel, K, bias, om, ldo); break;
-    default: break;
-  }
+  for (; m + kMaxRows <= M; m += kMaxRows)
+    tile<kMaxRows>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo);
+  tail_tile(static_cast<int>(M - m), x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo);
 }
 
-// The last panel when N is not a multiple of 24: its `cols` columns, a row at a time through a
-// 24-column buffer (bias added in the copy: it has only `cols` entries).
+// The last panel when N is not a multiple of kPanel: its `cols` columns, a row at a time through
+// a kPanel-column buffer (bias added in the copy: it has only `cols` entries).
 void last_panel(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
                 const float* bias, float* out, int64_t ldo, int64_t cols) {
-  alignas(32) float row[kPanel];
+  alignas(64) float row[kPanel];
   for (int64_t m = 0; m < M; ++m) {
     tile<1>(x + m * ldx, ldx, panel, K, nullptr, row, kPanel);
     for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = row[j] + (bias ? bias[j] : 0.f);
@@ -128,7 +149,8 @@ bool available() {
 #endif
 }
 
-// W [N, K] -> panels [ceil(N / 24), K, 24]; the last panel's columns past N are zeros.
+// W [N, K] -> panels [ceil(N / kPanel), K, kPanel]; the last panel's columns past N are
+// zeros.
 at::Tensor pack(at::Tensor w) {
   check_weight(w);
   w = w.contiguous();
@@ -187,6 +209,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX2 + FMA kernel");
-  m.def("pack", &pack, "a float32 weight [N, K] packed into panels of 24 output columns");
+  m.def("panel_width", []() { return kPanel; }, "output columns per packed panel (24 or 48)");
+  m.def("max_tile_rows", []() { return kMaxRows; },
+        "rows per tile (4 with AVX2, 8 with AVX-512)");
+  m.def("pack", &pack, "a float32 weight [N, K] packed into panels of output columns");
   m.def("linear", &linear, "x W^T (+ bias) from the packed weight, for few rows (CPU)");
 }
