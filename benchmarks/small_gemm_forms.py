@@ -1,12 +1,14 @@
-"""A float32 decode step's linears through oneDNN and through the few-row GEMM
+"""A decode step's linears through oneDNN and through the panel GEMM
 (engine/models/csrc/cpu_small_gemm.cpp), side by side on CPU: decode steps of the default model at
 each N running sequences, the two forms alternating step by step in one engine (so drift hits
 both alike); median step times and their ratio.
 
     python -m benchmarks.small_gemm_forms [--running 1,8,16,24,32] [--steps 20]
+        [--dtype float32|bfloat16]
 
-The kernel is built here whatever the machine (it needs AVX2 and FMA); the engine's own policy
-(engine.models.cpu_small_gemm) decides where it is used by default.
+The kernel is built here whatever the machine (it needs AVX2 and FMA; bfloat16 AVX512-BF16) and
+timed at every N; the "default" column says which form the engine's own policy
+(engine.models.cpu_small_gemm) takes there.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from benchmarks.elementwise_forms import timed_decode_step
 from benchmarks.step_overhead import fill
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.models import cpu_small_gemm as gemm_module
 from engine.models import linear as linear_module
-from engine.models.cpu_small_gemm import build_small_gemm
+from engine.models.cpu_small_gemm import (
+    build_small_gemm,
+    load_cpu_small_gemm,
+    max_rows,
+    takes,
+)
 from engine.models.linear import Linear
 
 
@@ -32,18 +40,28 @@ def linears(engine: LLMEngine) -> list[Linear]:
     return [*found, engine.runner.model.lm_head]
 
 
-def measure(running: int, steps: int) -> dict[str, float]:
+def measure(running: int, steps: int, dtype: str = "float32") -> dict[str, float]:
     """Median seconds of a decode step at `running` sequences: oneDNN's and the kernel's."""
     native = build_small_gemm()
-    if native is None:
-        raise SystemExit("the few-row GEMM does not build here (it needs AVX2 and FMA)")
-    linear_module.load_cpu_small_gemm = lambda: native  # this engine packs for both forms
-    engine = LLMEngine(EngineConfig(
-        dtype="float32", cache=CacheConfig(kv_cache_gb=1.0),
-        scheduler=SchedulerConfig(max_num_seqs=running,
-                                  max_num_batched_tokens=max(512, running))))
+    if native is None or not takes(native, getattr(torch, dtype)):
+        raise SystemExit(f"the panel GEMM does not build here for {dtype} (it needs AVX2 and "
+                         "FMA, and AVX512-BF16 for bfloat16)")
+    # This engine packs for both forms: a row limit keeps each layer's oneDNN copy (a layer
+    # whose kernel takes every call keeps none), lifted once the engine is built.
+    linear_module.load_cpu_small_gemm = lambda: native
+    unlimited = gemm_module.max_rows
+    gemm_module.max_rows = lambda native, dtype: 1
+    try:
+        engine = LLMEngine(EngineConfig(
+            dtype=dtype, cache=CacheConfig(kv_cache_gb=1.0),
+            scheduler=SchedulerConfig(max_num_seqs=running,
+                                      max_num_batched_tokens=max(512, running))))
+    finally:
+        gemm_module.max_rows = unlimited
     layers = linears(engine)
     packed = [lin.small_rows for lin in layers]
+    for small in packed:
+        small.max_rows = None  # timed at every size, whatever the policy
     forms = {"onednn": [None] * len(layers), "kernel": packed}
     fill(engine, running, max_tokens=3 * steps + 16)
     times: dict[str, list[float]] = {name: [] for name in forms}
@@ -63,15 +81,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", default="1,8,16,24,32")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each form")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}; float32 decode steps, {args.steps} each")
-    print("| running | oneDNN ms | few-row GEMM ms | oneDNN / kernel |")
-    print("|---|---|---|---|")
+          f"threads, torch {torch.__version__}; {args.dtype} decode steps, {args.steps} each")
+    print("| running | oneDNN ms | panel GEMM ms | oneDNN / kernel | default |")
+    print("|---|---|---|---|---|")
     for running in (int(n) for n in args.running.split(",")):
-        med = measure(running, args.steps)
+        med = measure(running, args.steps, args.dtype)
         print(f"| {running} | {med['onednn'] * 1e3:.1f} | {med['kernel'] * 1e3:.1f} | "
-              f"{med['onednn'] / med['kernel']:.2f}x |", flush=True)
+              f"{med['onednn'] / med['kernel']:.2f}x | {default_form(running, args.dtype)} |",
+              flush=True)
+
+
+def default_form(running: int, dtype: str) -> str:
+    native = build_small_gemm()
+    if native is None or load_cpu_small_gemm() is None:
+        return "oneDNN"
+    limit = max_rows(native, getattr(torch, dtype))
+    return "kernel" if limit is None or running <= limit else "oneDNN"
 
 
 if __name__ == "__main__":

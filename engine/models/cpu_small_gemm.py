@@ -1,16 +1,16 @@
-"""float32 linear layers through a native panel GEMM on AVX2 CPUs (csrc/cpu_small_gemm.cpp).
+"""Linear layers through a native panel GEMM on AVX2 CPUs (csrc/cpu_small_gemm.cpp).
 
 A decode step of 1-24 sequences is bound by streaming the weights; oneDNN's blocked fp32 GEMM
 reached 45-65% of that bound there, a panel kernel that reads each weight once per tile of rows
 gets closer (BENCHMARKS.md, "Linears at few rows"). Where it is used, as measured against oneDNN
 inside the default model's steps:
-- the AVX2 form (tiles of 4 rows; AMD EPYC Zen 3): steps of at most 24 rows; oneDNN was at
-  parity at 32 and faster above;
-- the AVX-512 form (tiles of 8 rows; AMD EPYC Zen 4): every row count: 1.1-1.5x oneDNN in
-  decode steps of 1-192 rows, at parity or better in prefill-sized products (Intel AVX-512
-  parts were not measured).
-Each such layer keeps its packed copy beside oneDNN's (which serves what the kernel does not
-take, such as a 3-D input): float32 linear weights take twice their memory.
+- float32, the AVX2 form (tiles of 4 rows; AMD EPYC Zen 3): steps of at most 24 rows; oneDNN
+  was at parity at 32 and faster above. Such a layer keeps its packed copy beside oneDNN's,
+  which serves the larger steps: float32 linear weights take twice their memory.
+- float32, the AVX-512 form (tiles of 8 rows; AMD EPYC Zen 4): 1.1-1.5x oneDNN in decode steps
+  of 1-192 rows and 1.01-1.05x in prefill-sized products; bfloat16 with AVX512-BF16 (vdpbf16ps):
+  1.05-1.55x in decode steps of 1-128 rows and 1.12-1.17x in prefill-sized products. The kernel
+  takes every call and the layer keeps no oneDNN copy (Intel AVX-512 parts were not measured).
 PDSERVE_DISABLE_CPU_SMALL_GEMM=1 keeps oneDNN everywhere.
 """
 
@@ -30,7 +30,8 @@ DISABLE_ENV = "PDSERVE_DISABLE_CPU_SMALL_GEMM"
 PREFIX = "pdserve_cpu_small_gemm"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # Rows up to which the AVX2 form beat oneDNN inside a decode step's linears (1-24 measured
-# faster, 32 at parity, 64 and prefill steps slower). The AVX-512 form has no limit.
+# faster, 32 at parity, 64 and prefill steps slower). The AVX-512 forms (float32, and bfloat16
+# with AVX512-BF16) beat oneDNN at every size measured and have no limit.
 AVX2_MAX_ROWS = 24
 
 
@@ -41,9 +42,14 @@ def measured_machine() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def max_rows(native: ModuleType) -> int | None:
+def takes(native: ModuleType, dtype: torch.dtype) -> bool:
+    """Whether the build computes linears of this dtype."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native.bf16_available())
+
+
+def max_rows(native: ModuleType, dtype: torch.dtype) -> int | None:
     """The most rows a call may have to take the kernel; None: any number."""
-    return None if native.max_tile_rows() >= 8 else AVX2_MAX_ROWS
+    return AVX2_MAX_ROWS if native.max_tile_rows() == 4 and dtype == torch.float32 else None
 
 
 def build_small_gemm() -> ModuleType | None:
@@ -66,13 +72,14 @@ class SmallRowGemm:
 
     def __init__(self, native: ModuleType, weight: torch.Tensor, bias: torch.Tensor | None):
         self.native = native
-        self.max_rows = max_rows(native)
+        self.dtype = weight.dtype
+        self.max_rows = max_rows(native, weight.dtype)
         self.out_features = weight.shape[0]
         self.packed = native.pack(weight)
         self.bias = bias.contiguous() if bias is not None else None
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.dtype == torch.float32
+        return (x.dim() == 2 and x.dtype == self.dtype
                 and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

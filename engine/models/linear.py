@@ -2,8 +2,9 @@
 
 On CPU the weight is reordered into oneDNN's blocked layout, which keeps small-batch (decode)
 matmuls near peak where a plain `F.linear` loses 2-4x; elsewhere it is a plain `F.linear`. On
-AVX2 CPUs, float32 steps take a native panel kernel instead where it was measured faster
-(engine.models.cpu_small_gemm: few rows with AVX2, every step with AVX-512).
+AVX2 CPUs a native panel kernel takes the calls where it was measured faster
+(engine.models.cpu_small_gemm: float32 steps of few rows with AVX2, beside oneDNN; every float32
+and AVX512-BF16 bfloat16 step with AVX-512, alone).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.cpu_small_gemm import SmallRowGemm, load_cpu_small_gemm
+from engine.models.cpu_small_gemm import SmallRowGemm, load_cpu_small_gemm, takes
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it afterwards.
 _PACK_BATCH_HINT = 64
@@ -29,10 +30,12 @@ class Linear:
                  pack: bool = True):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.packed = False
         self.small_rows = _small_row_gemm(weight, bias) if pack else None
-        if pack and onednn_usable(weight):
+        if self.small_rows is not None and self.small_rows.max_rows is None:
+            self.weight = None  # the kernel takes every call: no second copy
+        elif pack and onednn_usable(weight):
             try:
                 self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(),
                                                                        _PACK_BATCH_HINT)
@@ -41,6 +44,9 @@ class Linear:
                 self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:  # the kernel's only; it takes rows of a matrix
+            flat = self.small_rows(x.reshape(-1, self.in_features))
+            return flat.reshape(*x.shape[:-1], self.out_features)
         if self.small_rows is not None and self.small_rows.fits(x):
             return self.small_rows(x)
         if self.packed:
@@ -49,8 +55,10 @@ class Linear:
 
 
 def _small_row_gemm(weight: torch.Tensor, bias: torch.Tensor | None) -> SmallRowGemm | None:
-    """The few-row kernel's copy of a float32 CPU weight, where the machine uses it."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    """The panel kernel's copy of a CPU weight, where the machine uses it for its dtype."""
+    if weight.device.type != "cpu":
         return None
     native = load_cpu_small_gemm()
-    return None if native is None else SmallRowGemm(native, weight, bias)
+    if native is None or not takes(native, weight.dtype):
+        return None
+    return SmallRowGemm(native, weight, bias)

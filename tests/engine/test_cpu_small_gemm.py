@@ -75,7 +75,10 @@ def test_refuses_what_it_cannot_compute(native):
     with pytest.raises(RuntimeError, match="in_features"):
         gemm(rand(2, 31, seed=7))
     with pytest.raises(RuntimeError, match="float32"):
-        native.pack(rand(48, 32, seed=6).to(torch.bfloat16))
+        native.pack(rand(48, 32, seed=6).to(torch.float16))
+    if not native.bf16_available():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            native.pack(rand(48, 32, seed=6).to(torch.bfloat16))
 
 
 def test_linear_sends_few_rows_to_it_and_more_to_onednn(native, monkeypatch):
@@ -94,7 +97,8 @@ def test_linear_sends_few_rows_to_it_and_more_to_onednn(native, monkeypatch):
     # the AVX2 form takes few rows only; the AVX-512 form every step
     assert calls == ([1, AVX2_MAX_ROWS] if native.max_tile_rows() == 4 else list(sizes))
     assert layer(rand(2, 3, 64, seed=1)).shape == (2, 3, 96)  # not 2-D: oneDNN
-    assert Linear(w.to(torch.bfloat16)).small_rows is None  # float32 weights only
+    # bfloat16 weights only where the build has the AVX512-BF16 form
+    assert (Linear(w.to(torch.bfloat16)).small_rows is None) == (not native.bf16_available())
 
 
 def test_model_greedy_tokens_equal_onednn(native, tiny_llama_dir, monkeypatch):
@@ -135,3 +139,68 @@ def test_avx512_form_equals_the_avx2_form_bit_for_bit(native):
     for rows in (1, 5, 8, 13, 24, 37):
         x = rand(rows, 77, seed=rows)
         assert torch.equal(SmallRowGemm(native, w, bias)(x), SmallRowGemm(avx2, w, bias)(x))
+
+
+@pytest.fixture(scope="module")
+def native_bf16(native):
+    if not native.bf16_available():
+        pytest.skip("the bfloat16 form needs AVX512-BF16")
+    return native
+
+
+def assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                      bias: torch.Tensor | None) -> None:
+    """float32 sums of exact bf16 products, rounded once: within one bfloat16 step of the
+    float64 sum (plus float32 rounding of the sum where it cancels)."""
+    want = reference(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.double() - want).abs()
+    bound = want.abs() * 2.0 ** -8 + 2e-6 * x.shape[1] ** 0.5 * 8
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 30, 64])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (50, 13), (7, 64), (96, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_matches_the_float64_reference(native_bf16, rows, out_features, in_features,
+                                            with_bias):
+    w = rand(out_features, in_features, seed=1).bfloat16()
+    bias = rand(out_features, seed=2).bfloat16() if with_bias else None
+    x = rand(rows, in_features, seed=3).bfloat16()
+    assert_bf16_close(SmallRowGemm(native_bf16, w, bias)(x), x, w, bias)
+
+
+def test_bf16_odd_strided_rows_and_onednn(native_bf16):
+    """Rows of odd length and stride take a padded copy; results stay within one bfloat16 step
+    of oneDNN's AVX512-BF16 GEMM."""
+    x = rand(5, 101, seed=4).bfloat16()[:, 1:100]  # 99 columns, row stride 101
+    w = rand(70, 99, seed=5).bfloat16()
+    assert_bf16_close(SmallRowGemm(native_bf16, w, None)(x), x, w, None)
+    x, w = rand(9, 576, seed=6).bfloat16(), rand(960, 576, seed=7).bfloat16()
+    ours, onednn = SmallRowGemm(native_bf16, w, None)(x).float(), F.linear(x, w).float()
+    assert ((ours - onednn).abs() <= onednn.abs() * 2.0 ** -7 + 1e-3).all()
+
+
+def test_bf16_model_agrees_with_onednn(native_bf16, tiny_llama_dir, monkeypatch):
+    """The tiny Llama in bfloat16 with the kernel and with oneDNN: the same greedy tokens, their
+    log-probabilities within 0.05 (both round each linear's float32 sum to bfloat16 once, in a
+    different order of additions)."""
+    prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    results = {}
+    for name, module in (("kernel", native_bf16), ("onednn", None)):
+        monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda m=module: m)
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16",
+                                        cache=CacheConfig(kv_cache_gb=0.05)))
+        assert (engine.runner.model.layers[0].qkv_proj.small_rows is not None) == (
+            module is not None)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        results[name] = [done[str(i)] for i in range(len(prompts))]
+    for a, b in zip(results["kernel"], results["onednn"]):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(la[t] - lb[t]) < 0.05 for t in la)
