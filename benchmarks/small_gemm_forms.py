@@ -4,7 +4,10 @@ each N running sequences, the two forms alternating step by step in one engine (
 both alike); median step times and their ratio.
 
     python -m benchmarks.small_gemm_forms [--running 1,8,16,24,32] [--steps 20]
-        [--dtype float32|bfloat16]
+        [--dtype float32|bfloat16] [--products 64,256,512,2048]
+
+--products times prefill-sized products instead: the default model's four linear shapes on
+random weights, at each row count, the forms alternating call by call (GFLOP/s over the four).
 
 The kernel is built here whatever the machine (it needs AVX2 and FMA; bfloat16 AVX512-BF16) and
 timed at every N; the "default" column says which form the engine's own policy
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import time
 
 import torch
 
@@ -26,6 +30,7 @@ from engine.engine import LLMEngine
 from engine.models import cpu_small_gemm as gemm_module
 from engine.models import linear as linear_module
 from engine.models.cpu_small_gemm import (
+    SmallRowGemm,
     build_small_gemm,
     load_cpu_small_gemm,
     max_rows,
@@ -77,12 +82,56 @@ def measure(running: int, steps: int, dtype: str = "float32") -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+# SmolLM2-135M's linears (out, in): fused q/k/v, o, fused gate/up, down.
+DEFAULT_MODEL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def product_rates(rows: int, dtype: str, calls: int = 30) -> dict[str, float]:
+    """GFLOP/s of each form over the default model's four linear shapes at `rows` rows
+    (medians of `calls` calls per shape, the first 5 of each form untimed)."""
+    native = build_small_gemm()
+    if native is None or not takes(native, getattr(torch, dtype)):
+        raise SystemExit(f"the panel GEMM does not build here for {dtype}")
+    seconds = {"onednn": 0.0, "kernel": 0.0}
+    torch.manual_seed(0)
+    for out_features, in_features in DEFAULT_MODEL_SHAPES:
+        weight = torch.randn(out_features, in_features).to(getattr(torch, dtype))
+        x = torch.randn(rows, in_features).to(weight.dtype)
+        onednn = Linear(weight, None)
+        onednn.small_rows = None
+        if onednn.weight is None:  # this machine's policy left no oneDNN copy: make one
+            onednn = Linear(weight, None, pack=False)
+            onednn.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            onednn.packed = True
+        forms = {"onednn": onednn, "kernel": SmallRowGemm(native, weight, None)}
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(calls + 5):
+            for name, form in forms.items():
+                start = time.perf_counter()
+                form(x)
+                times[name].append(time.perf_counter() - start)
+        for name in forms:
+            seconds[name] += statistics.median(times[name][5:])
+    flops = 2 * rows * sum(n * k for n, k in DEFAULT_MODEL_SHAPES)
+    return {name: flops / t / 1e9 for name, t in seconds.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", default="1,8,16,24,32")
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each form")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--products", help="row counts: time prefill-sized products instead")
     args = parser.parse_args()
+    if args.products:
+        print(f"{args.dtype} products of the default model's linear shapes, GFLOP/s")
+        print("| rows | oneDNN | panel GEMM | kernel / oneDNN |")
+        print("|---|---|---|---|")
+        for rows in (int(n) for n in args.products.split(",")):
+            rate = product_rates(rows, args.dtype)
+            print(f"| {rows} | {rate['onednn']:.0f} | {rate['kernel']:.0f} | "
+                  f"{rate['kernel'] / rate['onednn']:.2f}x |", flush=True)
+        return
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}; {args.dtype} decode steps, {args.steps} each")
     print("| running | oneDNN ms | panel GEMM ms | oneDNN / kernel | default |")

