@@ -74,7 +74,7 @@ class SmallRowGemm:
         self.native = native
         self.dtype = weight.dtype
         self.max_rows = max_rows(native, weight.dtype)
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.packed = native.pack(weight)
         self.bias = bias.contiguous() if bias is not None else None
 
@@ -83,4 +83,4 @@ class SmallRowGemm:
                 and (self.max_rows is None or x.shape[0] <= self.max_rows))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.linear(x, self.packed, self.out_features, self.bias)
+        return self.native.linear(x, self.packed, self.out_features, self.in_features, self.bias)

@@ -74,6 +74,10 @@ def test_refuses_what_it_cannot_compute(native):
         gemm(rand(2, 32, seed=7).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="in_features"):
         gemm(rand(2, 31, seed=7))
+    if native.bf16_available():  # K 6 and 5 pack to the same 3 pairs: still refused
+        even = SmallRowGemm(native, rand(48, 6, seed=6).bfloat16(), None)
+        with pytest.raises(RuntimeError, match="in_features"):
+            even(rand(1, 5, seed=7).bfloat16())
     with pytest.raises(RuntimeError, match="float32"):
         native.pack(rand(48, 32, seed=6).to(torch.float16))
     if not native.bf16_available():
@@ -171,10 +175,13 @@ def test_bf16_matches_the_float64_reference(native_bf16, rows, out_features, in_
 
 
 def test_bf16_odd_strided_rows_and_onednn(native_bf16):
-    """Rows of odd length and stride take a padded copy; results stay within one bfloat16 step
-    of oneDNN's AVX512-BF16 GEMM."""
+    """Rows of odd length take a padded copy, rows of odd stride are read in place (pairs that
+    straddle 4 bytes); results stay within one bfloat16 step of oneDNN's AVX512-BF16 GEMM."""
     x = rand(5, 101, seed=4).bfloat16()[:, 1:100]  # 99 columns, row stride 101
     w = rand(70, 99, seed=5).bfloat16()
+    assert_bf16_close(SmallRowGemm(native_bf16, w, None)(x), x, w, None)
+    x = rand(5, 101, seed=4).bfloat16()[:, 1:97]  # 96 columns at odd offsets
+    w = rand(70, 96, seed=5).bfloat16()
     assert_bf16_close(SmallRowGemm(native_bf16, w, None)(x), x, w, None)
     x, w = rand(9, 576, seed=6).bfloat16(), rand(960, 576, seed=7).bfloat16()
     ours, onednn = SmallRowGemm(native_bf16, w, None)(x).float(), F.linear(x, w).float()

@@ -322,11 +322,11 @@ at::Tensor pack(at::Tensor w) {
 namespace {
 
 // x's rows as the kernel reads them: unit column stride, and for bfloat16 an even row length
-// and stride (the pair loads), a zero column appended to an odd one.
+// (the pair loads would read past an odd one), a zero column appended to an odd one.
 at::Tensor kernel_rows(const at::Tensor& x) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
-  if (!bf16 || (rows.size(1) % 2 == 0 && rows.stride(0) % 2 == 0)) return rows;
+  if (!bf16 || rows.size(1) % 2 == 0) return rows;
   const int64_t M = rows.size(0), K = rows.size(1), width = K + K % 2;
   at::Tensor even = at::detail::empty_cpu({M, width}, x.options());
   for (int64_t m = 0; m < M; ++m) {
@@ -341,9 +341,10 @@ at::Tensor kernel_rows(const at::Tensor& x) {
 }  // namespace
 
 // y = x W^T (+ bias) for x [M, K] of the weight's dtype (rows may be strided), `packed` from
-// pack(W).
+// pack(W) of a W [out_features, in_features] (a bfloat16 packing holds K rounded up to even, so
+// in_features is passed, not read from it).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                  const c10::optional<at::Tensor>& bias) {
+                  int64_t in_features, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(available(), "this build has no AVX2 + FMA small-row GEMM");
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == packed.scalar_type() &&
@@ -351,14 +352,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
               "x must be a [rows, in_features] CPU tensor of the weight's dtype (float32 or "
               "bfloat16)");
   const int64_t K = x.size(1), N = out_features, group = bf16 ? 2 : 1;
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel * group &&
+  TORCH_CHECK(K == in_features, "x has ", K, " columns, the weight's in_features is ", in_features);
+  TORCH_CHECK(packed.device().is_cpu() && packed.dim() == 3 && packed.size(2) == kPanel * group &&
                   packed.size(1) == (K + group - 1) / group &&
                   packed.size(0) * kPanel >= out_features && packed.is_contiguous(),
               "packed must come from pack() of a weight with x's in_features");
   if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N &&
-                    bias->is_contiguous(),
-                "bias must be a contiguous [out_features] tensor of x's dtype");
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == x.scalar_type() &&
+                    bias->numel() == N && bias->is_contiguous(),
+                "bias must be a contiguous [out_features] CPU tensor of x's dtype");
   const at::Tensor rows = kernel_rows(x);
   const int64_t M = rows.size(0), ldx = rows.stride(0);
   at::Tensor out = at::detail::empty_cpu({M, N}, x.options());
