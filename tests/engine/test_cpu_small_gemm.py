@@ -6,12 +6,15 @@ and the whole model: greedy tokens equal to oneDNN's, logits within float32 roun
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestOutput
 from engine.models import linear as linear_module
 from engine.models.cpu_small_gemm import (
     AVX2_MAX_ROWS,
@@ -105,27 +108,36 @@ def test_linear_sends_few_rows_to_it_and_more_to_onednn(native, monkeypatch):
     assert (Linear(w.to(torch.bfloat16)).small_rows is None) == (not native.bf16_available())
 
 
+PROMPTS = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
+
+
+def kernel_and_onednn_outputs(native: ModuleType, model_dir: Path,
+                              monkeypatch: pytest.MonkeyPatch, dtype: str, max_tokens: int
+                              ) -> dict[str, list[RequestOutput]]:
+    """The tiny Llama's finished greedy outputs for PROMPTS (with log-probabilities), once with
+    the kernel and once with oneDNN."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    results = {}
+    for name, module in (("kernel", native), ("onednn", None)):
+        monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda m=module: m)
+        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype,
+                                        cache=CacheConfig(kv_cache_gb=0.05)))
+        assert (engine.runner.model.layers[0].qkv_proj.small_rows is not None) == (
+            module is not None)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(prompt, params, request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+        results[name] = [done[str(i)] for i in range(len(PROMPTS))]
+    return results
+
+
 def test_model_greedy_tokens_equal_onednn(native, tiny_llama_dir, monkeypatch):
     """The tiny Llama in float32 with the kernel and with oneDNN: the same greedy tokens, logits
     within float32 rounding (batches of 1-5 rows go to the kernel, the prefill too with
     AVX-512)."""
-    prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    results = {}
-    for name, module in (("kernel", native), ("onednn", None)):
-        monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda m=module: m)
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32",
-                                        cache=CacheConfig(kv_cache_gb=0.05)))
-        assert (engine.runner.model.layers[0].qkv_proj.small_rows is not None) == (
-            module is not None)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(prompt, params, request_id=str(i))
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        results[name] = [done[str(i)] for i in range(len(prompts))]
+    results = kernel_and_onednn_outputs(native, tiny_llama_dir, monkeypatch, "float32", 12)
     for a, b in zip(results["kernel"], results["onednn"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
@@ -192,21 +204,7 @@ def test_bf16_model_agrees_with_onednn(native_bf16, tiny_llama_dir, monkeypatch)
     """The tiny Llama in bfloat16 with the kernel and with oneDNN: the same greedy tokens, their
     log-probabilities within 0.05 (both round each linear's float32 sum to bfloat16 once, in a
     different order of additions)."""
-    prompts = [[1, 5, 9, 14, 2, 7], [3, 3, 8], [11, 4, 6, 6, 10, 12, 13], [2], [9, 8, 7, 6]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    results = {}
-    for name, module in (("kernel", native_bf16), ("onednn", None)):
-        monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda m=module: m)
-        engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="bfloat16",
-                                        cache=CacheConfig(kv_cache_gb=0.05)))
-        assert (engine.runner.model.layers[0].qkv_proj.small_rows is not None) == (
-            module is not None)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(prompt, params, request_id=str(i))
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update((out.request_id, out) for out in engine.step() if out.finished)
-        results[name] = [done[str(i)] for i in range(len(prompts))]
+    results = kernel_and_onednn_outputs(native_bf16, tiny_llama_dir, monkeypatch, "bfloat16", 8)
     for a, b in zip(results["kernel"], results["onednn"]):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
