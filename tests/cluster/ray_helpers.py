@@ -32,11 +32,13 @@ def export_checkout_to_ray() -> None:
 
 def local_ray_session(num_cpus: int) -> Iterator[None]:
     """A module's local Ray (`yield from` it in a fixture): this checkout on its workers' path,
-    `num_cpus` logical CPUs, shut down after the module."""
+    `num_cpus` logical CPUs, shut down after the module. Always a new instance of its own
+    (address "local"): without it, ray.init joins whatever Ray this machine runs, such as the
+    multi-node test's simulated cluster in the other xdist process, and refuses `num_cpus`."""
     import ray
 
     export_checkout_to_ray()
-    ray.init(num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
+    ray.init(address="local", num_cpus=num_cpus, namespace=NAMESPACE, include_dashboard=False,
              log_to_driver=False)
     yield
     ray.shutdown()
