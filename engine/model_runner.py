@@ -100,12 +100,6 @@ class ModelRunner:
                                        rank_launcher)
         self._allocate_cache(config, model_config)
         self.attention = get_attention_backend(config.attention_backend, self.device)
-        softcap = model_config.gemma is not None and model_config.gemma.attention_softcap
-        if (any(model_config.layer_windows) or softcap) and not self.attention.supports_window:
-            raise ValueError(f"this model has sliding-window layers or soft-capped attention, "
-                             f"which the {self.attention.name!r} attention backend runs only "
-                             "once a GPU run has proved them: use --attention-backend torch, "
-                             "or set PDSERVE_TRITON_WINDOWS=1 to try the Triton kernel's")
         self.sampler = Sampler()
         self.grammars = GrammarBook(model_path, model_config.vocab_size)
         # the penalties' token counts, per request on the device (engine.token_counts)
@@ -192,6 +186,11 @@ class ModelRunner:
         if self.attention.name != "triton":
             raise ValueError(f"cuda_graphs needs the Triton attention backend, not "
                              f"{self.attention.name!r}")
+        moe = next((layer.moe for layer in self.model.layers if layer.moe is not None), None)
+        if capture and moe is not None and moe.backend != "triton":
+            # the grouped and loop paths size each expert's slice on the host: not capturable
+            raise ValueError(f"cuda_graphs with a mixture of experts needs the Triton MoE "
+                             f"kernel (the default on CUDA), not the {moe.backend!r} path")
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 

@@ -50,12 +50,6 @@ class AttentionBackend:
         self.write_kv: Callable[..., None] = getattr(fn, "write_kv", write_kv_cache)
         # Backends that can attend a fresh prompt straight from this step's K/V say so.
         self._takes_new_kv = bool(getattr(fn, "takes_new_kv", False))
-        # Sliding windows and soft-capping: the Triton kernel's are tested under the interpreter
-        # only, so on a GPU they wait behind PDSERVE_TRITON_WINDOWS=1 until a GPU run proves
-        # them (tests/engine/test_triton_attention.py runs there in `pytest -m gpu`).
-        self.supports_window = name in ("torch", "reference") or name == "triton" and (
-            os.environ.get("TRITON_INTERPRET") == "1"
-            or os.environ.get("PDSERVE_TRITON_WINDOWS") == "1")
 
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
@@ -68,10 +62,7 @@ class AttentionBackend:
                  num_kv_splits: int | None = None, window: int | None = None,
                  softcap: float | None = None, **kwargs: object) -> torch.Tensor:
         for name, value in (("window", window), ("softcap", softcap)):
-            if value is not None:  # sliding window, logit soft-capping
-                if not self.supports_window:
-                    raise ValueError(f"attention backend {self.name!r} has no {name} yet: use "
-                                     "the torch backend")
+            if value is not None:  # sliding window, logit soft-capping: every backend has both
                 kwargs[name] = value
         if self._takes_new_kv:
             kwargs["new_kv"] = new_kv

@@ -7,9 +7,14 @@ SiLU(gate) * up — down ([pairs, H], each row scaled by its routing weight); ea
 are then summed in ascending expert order (transformers' order). Offsets are int64; padding rows
 point past the last pair and are masked.
 
-Tested under TRITON_INTERPRET=1 against the loop in engine.models.moe (tests/engine/
-test_fused_moe.py; `pytest -m gpu` runs them on CUDA): the engine uses it only where
-PDSERVE_TRITON_MOE=1, until a GPU run proves it."""
+Capture-safe (CUDA graphs): nothing reads the device from the host. The row blocks are sized for
+the most any routing can need (`max_blocks`), the blocks past the routing's own are padding only,
+and their programs skip the multiply (the first row of a used block is always a real pair).
+
+Tested against the loop in engine.models.moe under TRITON_INTERPRET=1 and, with `pytest -m gpu`,
+on CUDA (tests/engine/test_fused_moe.py; every MoE family on CUDA with CUDA graphs in
+tests/gpu/test_families_on_cuda.py, both passed on one H100 on 2026-11-27): the engine's MoE path
+on CUDA, and on CPU where PDSERVE_TRITON_MOE=1."""
 
 # Triton reads kernel annotations as specialization hints: the kernels' arguments stay bare.
 # ruff: noqa: ANN001
@@ -43,7 +48,9 @@ def _grouped_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    # a block past the routing's own holds padding only: no multiply (its stores are masked)
+    k_stop = tl.where(tl.load(sorted_pairs_ptr + block * BLOCK_M) < num_pairs, k, 0)
+    for k0 in range(0, k_stop, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
@@ -60,23 +67,33 @@ def _grouped_gemm_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
+def max_blocks(num_pairs: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """The most row blocks any routing of `num_pairs` pairs over `num_experts` experts fills: each
+    expert's run rounds up to whole blocks, and every block holds at least one pair."""
+    return min(num_pairs, (num_pairs + num_experts * (block_m - 1)) // block_m)
+
+
 def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs (token * k + slot) sorted by expert, each expert's run padded to a multiple of
-    `block_m` with `num_pairs` (masked), and each row block's expert."""
+    `block_m` with `num_pairs` (masked), and each row block's expert; `max_blocks` blocks in
+    all, those past the routing's own padding only (their expert: the last one)."""
     flat = experts.flatten()
-    num_pairs = flat.numel()
+    num_pairs, device = flat.numel(), experts.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # bincount reads its input's maximum on the host on CUDA: a scatter-add does not
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
-    sorted_pairs = torch.full((int(padded.sum()),), num_pairs, dtype=torch.int64,
-                              device=experts.device)
+    blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int64, device=device)
     first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
-    rank = torch.arange(num_pairs, device=experts.device) - first[flat[order]]
+    rank = torch.arange(num_pairs, device=device) - first[flat[order]]
     sorted_pairs[starts[flat[order]] + rank] = order
-    block_experts = torch.repeat_interleave(torch.arange(num_experts, device=experts.device),
-                                            padded // block_m)
+    block_ends = torch.cumsum(padded // block_m, 0)
+    block_experts = torch.searchsorted(block_ends, torch.arange(blocks, device=device),
+                                       right=True).clamp_(max=num_experts - 1)
     return sorted_pairs, block_experts
 
 

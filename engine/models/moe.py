@@ -1,15 +1,16 @@
 """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, and the
 token's output is their SwiGLU outputs weighted by the router's probabilities.
 
-Two ways to run the experts, one result:
-- `grouped` (the default): the (token, expert) pairs sorted by expert once, so each expert's rows
-  are one contiguous slice of one gather — a pair of matmuls per expert that has tokens — and one
-  scatter-add brings every weighted output back, in the order transformers sums them (expert by
-  expert), so float32 output is token-identical to it;
+Three ways to run the experts, one result:
+- `grouped` (the default on CPU): the (token, expert) pairs sorted by expert once, so each
+  expert's rows are one contiguous slice of one gather — a pair of matmuls per expert that has
+  tokens — and one scatter-add brings every weighted output back, in the order transformers sums
+  them (expert by expert), so float32 output is token-identical to it;
 - `loop`: the same matmuls found expert by expert (`torch.where` per expert, an add per expert):
   the reference the grouped path is measured and tested against;
-- `triton` (PDSERVE_TRITON_MOE=1; engine.models.fused_moe): the sorted pairs through grouped-GEMM
-  Triton kernels — tested under Triton's interpreter, not yet on a GPU.
+- `triton` (the default on CUDA, elsewhere PDSERVE_TRITON_MOE=1; engine.models.fused_moe): the
+  sorted pairs through grouped-GEMM Triton kernels, capturable in CUDA graphs — proven on one
+  H100 (every MoE family token-identical to transformers, eager and with graphs).
 
 Expert weights are stacked per layer — gate/up [E, 2 I, H] and down [E, H, I] — with I this
 rank's share under tensor parallelism (each expert split like a dense MLP; the layer's
@@ -28,8 +29,14 @@ from engine.config import MoEConfig
 BACKENDS = ("grouped", "loop", "triton")
 
 
-def default_backend() -> str:
-    return "triton" if os.environ.get("PDSERVE_TRITON_MOE") == "1" else "grouped"
+def default_backend(device: torch.device) -> str:
+    """On CUDA the Triton kernel: the only path CUDA graphs can capture, and 1.07-9.2x the
+    grouped one's speed from 8 tokens up on one H100, eager (0.77-0.84x at one token with 8 wide
+    experts, where its launches dominate and graphs take them away; BENCHMARKS.md). Elsewhere
+    the grouped path, or Triton where PDSERVE_TRITON_MOE=1."""
+    if device.type == "cuda" or os.environ.get("PDSERVE_TRITON_MOE") == "1":
+        return "triton"
+    return "grouped"
 
 
 class MoEMLP:
@@ -43,7 +50,7 @@ class MoEMLP:
         self.gate_up = gate_up  # [E, 2 I, H]: gate rows, then up rows
         self.down = down  # [E, H, I]
         self.shared = shared
-        self.backend = backend or default_backend()
+        self.backend = backend or default_backend(gate_up.device)
         if self.backend not in BACKENDS:
             raise ValueError(f"MoE backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")

@@ -33,8 +33,18 @@ def tokens(n: int, hidden: int = 64, dtype: torch.dtype = torch.float32) -> torc
 def test_align_sorts_pairs_by_expert_in_padded_blocks():
     experts = torch.tensor([[2, 0], [0, 3], [2, 3], [0, 2]])  # expert 1 unused
     pairs, blocks = fm.align(experts, 4, block_m=4)
-    assert blocks.tolist() == [0, 2, 3]
-    assert pairs.tolist() == [1, 2, 6, 8, 0, 4, 7, 8, 3, 5, 8, 8]  # 8: padding (masked)
+    # 5 blocks: the most 8 pairs over 4 experts can fill; the last 2 hold padding only
+    assert fm.max_blocks(8, 4, block_m=4) == 5
+    assert blocks.tolist() == [0, 2, 3, 3, 3]
+    assert pairs.tolist() == [1, 2, 6, 8, 0, 4, 7, 8, 3, 5, 8, 8] + [8] * 8  # 8: padding
+
+
+def test_max_blocks_bounds_every_routing():
+    """The worst routings: every expert one pair (a block each), and every pair its own expert."""
+    for pairs, experts, block_m in [(8, 8, 4), (8, 2, 4), (37, 16, 16), (16, 128, 16)]:
+        worst = sum(-(-c // block_m) for c in [pairs // experts + (e < pairs % experts)
+                                               for e in range(experts)])
+        assert fm.max_blocks(pairs, experts, block_m) >= worst
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -70,14 +80,36 @@ def test_the_engine_with_the_triton_experts_equals_the_default_path(
                             seed=5, num_local_experts=4, num_experts_per_tok=2)
     prompts = [p[:n] for p, n in zip(workload_prompts, (3, 17, 30))]
 
-    def greedy() -> list[list[int]]:
+    def greedy(**paths: bool) -> list[list[int]]:
         engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device=DEVICE,
-                                        cache=CacheConfig(block_size=16, num_blocks=32)))
+                                        cache=CacheConfig(block_size=16, num_blocks=32),
+                                        **paths))
         assert engine.runner.model.layers[0].moe.backend == backend
         return engine_greedy(engine, prompts, 4)
 
+    # the grouped path runs eagerly only (it sizes slices on the host): CUDA graphs off there
+    eager = {"cuda_graphs": False} if DEVICE == "cuda" else {}
     backend = "grouped"
-    expected = greedy()
-    monkeypatch.setenv("PDSERVE_TRITON_MOE", "1")
+    monkeypatch.setattr("engine.models.moe.default_backend", lambda device: "grouped")
+    expected = greedy(**eager)
+    monkeypatch.undo()
+    monkeypatch.setenv("PDSERVE_TRITON_MOE", "1")  # on CUDA the default without it
     backend = "triton"
     assert greedy() == expected
+
+
+def test_cuda_graphs_refuse_an_expert_path_they_cannot_capture(tmp_path, default_model_dir):
+    """The grouped path sizes each expert's slice on the host; only the Triton kernel can be
+    captured (the default on CUDA). Checked before any capture, so it runs without a GPU."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import LLMEngine
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "mixtral", "MixtralForCausalLM", default_model_dir,
+                            num_local_experts=4, num_experts_per_tok=2)
+    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu",
+                                    attention_backend="triton",
+                                    cache=CacheConfig(block_size=16, num_blocks=8)))
+    assert engine.runner.model.layers[0].moe.backend == "grouped"  # the CPU default
+    with pytest.raises(ValueError, match="needs the Triton MoE kernel .*not the 'grouped' path"):
+        engine.runner.enable_decode_graphs(4, 256, capture=True)
