@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # Proves the GPU paths on a machine with CUDA, in one command or stage by stage:
 #
-#   bash scripts/gpu_check.sh [OUTDIR] [--stage STAGE]   (STAGE: all, or one of those below)
+#   bash scripts/gpu_check.sh [OUTDIR] [--stage STAGES]
+#
+# STAGES: all, tests (= tests-engine,tests-cluster), or a comma-separated list of those below,
+# run in the order given (so one call can put what matters most first).
 #
 #   tests-engine   pytest -m gpu, in-process engines: CUDA vs CPU greedy identity with each
-#                  speed path, the bf16 bound, no compilation after warm-up, graph capture, and
-#                  the kernel, fused, graphs and async tests that run on CUDA where present
+#                  speed path, the bf16 bound, no compilation after warm-up, graph capture, every
+#                  model family (windows, soft-capping, MoE) against transformers, and the
+#                  kernel, fused, MoE, graphs and async tests that run on CUDA where present
 #   tests-cluster  pytest -m gpu, processes: 1P+1D and 2P+2D on one GPU over CUDA IPC, dist
 #                  refused on one GPU, NCCL with two GPUs, `router launch --device cuda`, the
 #                  writer-dies-mid-copy rule on CUDA
-#   tests          both of the above
 #   engine         benchmarks.gpu_engine: ours eager / graphs / graphs+async+fused vs
 #                  transformers generate and generate_batch, GPU busy share, at the default
 #                  model's and a 1B shape (random weights); engine-8b: the same at an 8B shape
 #   kernels  benchmarks.decode_kernel: decode attention GB/s at 64x2k, 256x1k, 16x8k, 4x32k,
 #            1x64k and 128x512 (9/3 heads, d64), beside dense SDPA
 #   kv       benchmarks.kv_transfer --device cuda: KV hand-over GB/s over CUDA IPC
+#   moe      benchmarks.moe_layer --device cuda: the Triton MoE kernel beside the grouped path
+#            and the per-expert loop, Mixtral's and Qwen3-MoE's routing
 #
 # Each stage writes OUTDIR/STAGE.json (tests: STAGE.txt and STAGE.xml); all are merged into
 # OUTDIR/gpu_check.json, and everything printed goes to OUTDIR/gpu_check.log. What the machine
@@ -34,10 +39,15 @@ while [ $# -gt 0 ]; do
     *) OUTDIR=$1; shift ;;
   esac
 done
+KNOWN="tests-engine tests-cluster kernels kv moe engine engine-8b"
 case "$STAGE" in
-  all|tests|tests-engine|tests-cluster|engine|engine-8b|kernels|kv) ;;
-  *) echo "unknown stage $STAGE" >&2; exit 2 ;;
+  all) STAGES="$KNOWN" ;;
+  tests) STAGES="tests-engine tests-cluster" ;;
+  *) STAGES=${STAGE//,/ } ;;
 esac
+for name in $STAGES; do
+  [[ " $KNOWN " == *" $name "* ]] || { echo "unknown stage $name" >&2; exit 2; }
+done
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 LOG="$OUTDIR/gpu_check.log"
@@ -75,48 +85,53 @@ run_stage() {  # name, command...
 
 # Only the modules holding gpu tests: collecting the rest would import packages (ray, openai,
 # cryptography) a GPU machine may lack.
-ENGINE_TESTS="tests/gpu/test_engine_on_cuda.py tests/engine/test_decode_graphs.py
-  tests/engine/test_triton_attention.py tests/engine/test_fused_kernels.py
-  tests/engine/test_async_scheduling.py tests/engine/test_attention_warmup.py
-  tests/engine/test_fused_moe.py"
+ENGINE_TESTS="tests/gpu/test_engine_on_cuda.py tests/gpu/test_families_on_cuda.py
+  tests/engine/test_decode_graphs.py tests/engine/test_triton_attention.py
+  tests/engine/test_fused_kernels.py tests/engine/test_async_scheduling.py
+  tests/engine/test_attention_warmup.py tests/engine/test_fused_moe.py"
 CLUSTER_TESTS="tests/gpu/test_cluster_on_cuda.py tests/cluster/test_shared_faults.py"
-wants() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ] || { [ "$STAGE" = tests ] && [[ $1 == tests-* ]]; }; }
 run_tests() {  # name, paths...
   local name=$1; shift
+  local before code=0
+  before=$(wc -l < "$LOG")
   # shellcheck disable=SC2068 # one argument per path
-  run_stage "$name" "$PY" -m pytest -m gpu -q -p no:cacheprovider $@ \
-    --junitxml="$OUTDIR/$name.xml" || status=1
-  grep -E "[0-9]+ (passed|failed|skipped|error)" "$LOG" | tail -1 > "$OUTDIR/$name.txt"
+  run_stage "$name" "$PY" -m pytest -m gpu -q -rfE -p no:cacheprovider $@ \
+    --junitxml="$OUTDIR/$name.xml" || { code=$?; status=1; }
+  # this stage's own summary line, not an earlier stage's: pytest that could not even collect
+  # (a missing package) prints none
+  tail -n +"$((before + 1))" "$LOG" | grep -E "[0-9]+ (passed|failed|skipped|error)" | tail -1 \
+    > "$OUTDIR/$name.txt"
+  [ -s "$OUTDIR/$name.txt" ] || echo "no pytest summary (exit $code)" > "$OUTDIR/$name.txt"
+}
+SYSTEMS=ours_eager,ours_graphs,ours_graphs_async_fused,hf_static,hf_generate_batch
+run_named() {  # one stage by name
+  case "$1" in
+    tests-engine) run_tests tests-engine $ENGINE_TESTS ;;
+    tests-cluster) run_tests tests-cluster $CLUSTER_TESTS ;;
+    kernels) run_stage kernels "$PY" -m benchmarks.decode_kernel --json "$OUTDIR/kernels.json" ;;
+    kv) run_stage kv "$PY" -m benchmarks.kv_transfer --device cuda \
+          --transports shared,shared-whole --lengths 1024,4096 --requests 3 \
+          --json "$OUTDIR/kv.json" ;;
+    moe) run_stage moe "$PY" -m benchmarks.moe_layer --device cuda --repeats 20 \
+           --json "$OUTDIR/moe.json" ;;
+    engine) run_stage engine "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
+              --shapes smol135m,llama1b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
+              --json "$OUTDIR/engine.json" ;;
+    engine-8b) run_stage engine-8b "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
+                 --shapes llama8b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
+                 --json "$OUTDIR/engine-8b.json" ;;
+  esac
 }
 status=0
-wants tests-engine && run_tests tests-engine $ENGINE_TESTS
-wants tests-cluster && run_tests tests-cluster $CLUSTER_TESTS
-if wants kernels; then
-  run_stage kernels "$PY" -m benchmarks.decode_kernel --json "$OUTDIR/kernels.json" || status=1
-fi
-if wants kv; then
-  run_stage kv "$PY" -m benchmarks.kv_transfer --device cuda --transports shared,shared-whole \
-    --lengths 1024,4096 --requests 3 --json "$OUTDIR/kv.json" || status=1
-fi
-SYSTEMS=ours_eager,ours_graphs,ours_graphs_async_fused,hf_static,hf_generate_batch
-if wants engine; then
-  run_stage engine "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
-    --shapes smol135m,llama1b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
-    --json "$OUTDIR/engine.json" \
-    || status=1
-fi
-if wants engine-8b; then
-  run_stage engine-8b "$PY" -m benchmarks.gpu_engine --tokenizer "$TOKENIZER" \
-    --shapes llama8b --runs 2 --systems "$SYSTEMS" --peer-requests 64 \
-    --json "$OUTDIR/engine-8b.json" \
-    || status=1
-fi
+for name in $STAGES; do
+  run_named "$name" || status=1
+done
 "$PY" - "$OUTDIR" <<'PYEOF' 2>&1 | tee -a "$LOG"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 merged = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").exists() else {}
-for name in ("kernels", "kv", "engine", "engine-8b"):
+for name in ("kernels", "kv", "moe", "engine", "engine-8b"):
     if (out / f"{name}.json").exists():
         merged[name] = json.loads((out / f"{name}.json").read_text())
 for name in ("tests-engine", "tests-cluster"):

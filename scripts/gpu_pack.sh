@@ -16,15 +16,13 @@ model=$("$PY" -c "from engine.loader import resolve_model_path; print(resolve_mo
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
   [ -f "$model/$f" ] && cp "$model/$f" .gpu/tokenizer/
 done
-NAMES="grpcio protobuf grpcio-health-checking grpcio-reflection aiohttp aiohappyeyeballs aiosignal
-  attrs frozenlist multidict propcache yarl idna pydantic pydantic-core annotated-types
-  typing-inspection typing-extensions prometheus-client"
-pins=$("$PY" - $NAMES <<'PYEOF'
-import sys
-from importlib.metadata import version
-print(" ".join(f"{name}=={version(name)}" for name in sys.argv[1:]))
-PYEOF
-)
+# The wheels: every distribution the cluster's processes and the GPU stages import, found by
+# importing them here, less what the GPU machine's image holds and must keep (torch and what is
+# built against it, transformers and its tokenizers, pytest). A dependency added later is packed
+# without this list changing (jsonschema, added for structured output, once stopped the router
+# there).
+pins=$(PYTHONPATH=. "$PY" scripts/gpu_wheel_pins.py)
+[ -n "$pins" ] || { echo "found nothing to pack" >&2; exit 1; }
 platforms=""
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
          manylinux2014_x86_64 manylinux1_x86_64; do platforms="$platforms --platform $p"; done

@@ -1,6 +1,6 @@
 """The GPU proof's tools, smoke-run on CPU: the decode-kernel bandwidth benchmark (tiny shapes,
 Triton interpreter; outputs checked against dense SDPA), the random stand-in for the default
-model, and gpu_check.sh refusing a stage it does not know."""
+model, gpu_check.sh refusing a stage it does not know, and the wheels gpu_pack.sh packs."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def test_gpu_check_refuses_an_unknown_stage(tmp_path):
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_pack.sh"])
 def test_the_gpu_scripts_parse(script):
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)]).returncode == 0
+
+
+def test_the_gpu_pack_carries_what_the_cluster_imports_and_not_torch():
+    """Found by importing the cluster's entry points: gRPC, the HTTP front door's aiohttp and
+    pydantic, and jsonschema (which a hand-kept list once missed, stopping the router on the
+    GPU machine); never torch or what the GPU image builds against it."""
+    done = subprocess.run([sys.executable, "scripts/gpu_wheel_pins.py"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = {pin.split("==")[0].lower().replace("_", "-") for pin in done.stdout.split()}
+    assert {"grpcio", "protobuf", "aiohttp", "pydantic", "jsonschema"} <= names
+    assert not names & {"torch", "triton", "numpy", "transformers", "pdserve"}
