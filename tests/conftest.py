@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loadtest.workloads import OFFLINE_MIXED
+from tests.model_families import FAMILIES, MAX_TOKENS, family_prompts
 
 if not torch.cuda.is_available():
     # The Triton kernels run under Triton's interpreter on CPU. Triton reads this when it is
@@ -73,6 +74,27 @@ def mixed_prompts(workload: list[list[int]], n: int = 20) -> list[list[int]]:
     lengths = [3, 7, 12, 16, 17, 25, 31, 33, 48, 64,
                80, 100, 128, 150, 200, 256, 300, 333, 380, 400]
     return [workload[i % len(workload)][: lengths[i % len(lengths)]] for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory, default_model_dir) -> Path:
+    """A tiny checkpoint of each family of tests/model_families.py, one module's tests at a time."""
+    arch, overrides = FAMILIES[request.param]
+    return save_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch,
+                           default_model_dir, seed=5, **overrides)
+
+
+@pytest.fixture(scope="module")
+def family_prompt_ids(workload_prompts) -> list[list[int]]:
+    return family_prompts(workload_prompts)
+
+
+@pytest.fixture(scope="module")
+def family_expected(family_dir, family_prompt_ids) -> list[list[int]]:
+    """transformers' greedy tokens (eager attention: its SDPA path drops Gemma 2's capping)."""
+    from tests.engine.hf_reference import hf_greedy
+
+    return hf_greedy(family_dir, family_prompt_ids, MAX_TOKENS, attn_implementation="eager")
 
 
 @pytest.fixture(autouse=True)

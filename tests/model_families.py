@@ -1,10 +1,9 @@
 """The tiny random checkpoints of every model family beyond Llama that the family tests build
 (tests/cluster/test_model_families.py on CPU, tests/gpu/test_families_on_cuda.py on CUDA), and the
-prompts they run: one table, so both prove the same models."""
+prompts they run: one table, so both prove the same models. tests/conftest.py builds them as the
+fixtures `family_dir` (one per family), `family_prompt_ids` and `family_expected`."""
 
 from __future__ import annotations
-
-from tests.conftest import mixed_prompts
 
 MAX_TOKENS = 8  # greedy tokens per prompt
 
@@ -48,6 +47,8 @@ FAMILIES = {"qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
 
 def family_prompts(workload_prompts: list[list[int]]) -> list[list[int]]:
     """Mixed lengths, and two sharing a 64-token prefix (a prefix hit for the second)."""
+    from tests.conftest import mixed_prompts  # (tests.conftest imports this module)
+
     shared = workload_prompts[8][:64]
     return mixed_prompts(workload_prompts, 12)[::2] + [shared + [11, 12, 13],
                                                        shared + [21, 22]]

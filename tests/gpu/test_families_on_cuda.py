@@ -12,35 +12,18 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
-from tests.conftest import save_tiny_model
-from tests.engine.hf_reference import engine_greedy, hf_greedy
-from tests.model_families import FAMILIES, MAX_TOKENS, family_prompts
+from tests.engine.hf_reference import engine_greedy
+from tests.model_families import MAX_TOKENS
 
 PATHS = {"eager": {"cuda_graphs": False, "async_scheduling": False, "fused_kernels": False},
          "all": {"cuda_graphs": True, "async_scheduling": True, "fused_kernels": True}}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def model_dir(request, tmp_path_factory, default_model_dir):
-    arch, overrides = FAMILIES[request.param]
-    return save_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), arch,
-                           default_model_dir, seed=5, **overrides)
-
-
-@pytest.fixture(scope="module")
-def prompts(workload_prompts) -> list[list[int]]:
-    return family_prompts(workload_prompts)
-
-
-@pytest.fixture(scope="module")
-def expected(model_dir, prompts) -> list[list[int]]:
-    return hf_greedy(model_dir, prompts, MAX_TOKENS, attn_implementation="eager")
-
-
 @pytest.mark.parametrize("paths", list(PATHS))
-def test_the_family_on_cuda_equals_transformers(model_dir, prompts, expected, paths):
+def test_the_family_on_cuda_equals_transformers(family_dir, family_prompt_ids,
+                                                family_expected, paths):
     engine = LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="float32", device="cuda", **PATHS[paths],
+        model=str(family_dir), dtype="float32", device="cuda", **PATHS[paths],
         cache=CacheConfig(block_size=16, num_blocks=14),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
                                   prefill_chunk_size=16)))
@@ -48,7 +31,7 @@ def test_the_family_on_cuda_equals_transformers(model_dir, prompts, expected, pa
         assert engine.runner.attention.name == "triton"
         assert all(layer.moe is None or layer.moe.backend == "triton"
                    for layer in engine.runner.model.layers)  # the default on CUDA
-        assert engine_greedy(engine, prompts, MAX_TOKENS) == expected
+        assert engine_greedy(engine, family_prompt_ids, MAX_TOKENS) == family_expected
         assert engine.block_manager.usage().used == 0
         assert engine.scheduler.num_preemptions > 0
         assert engine.block_manager.prefix_hits > 0
