@@ -214,3 +214,21 @@ def test_models_retrieve_developer_and_tool_roles_and_usage_on_every_chunk(clien
     assert all(c.usage is not None for c in chunks)
     completion = [c.usage.completion_tokens for c in chunks]
     assert completion == sorted(completion) and completion[-1] == 6
+
+
+def test_the_ttft_parts_benchmark_adds_up(http_address):
+    """benchmarks.ttft_parts against the shared cluster: every request served, its phases read
+    from the last chunk's timings (remote prefill here: KV transfer too) and lying within the
+    router's TTFT, which lies within the client's."""
+    import argparse
+
+    from benchmarks import ttft_parts
+
+    args = argparse.Namespace(address=http_address, rate=50.0, requests=2, prompt_tokens=16,
+                              max_tokens=4, seed=1, json=None)
+    results = ttft_parts.run(args)
+    assert len(results) == 2 and not [r for r in results if "error" in r]
+    for r in results:
+        assert r["prefill_compute"] > 0 and r["kv_transfer"] > 0 and r["client_ttft"] > 0
+        assert r["rest"] > -1.0  # the phases lie inside the TTFT (1 ms of clock rounding)
+        assert r["router_ttft"] <= r["client_ttft"] + 1.0
