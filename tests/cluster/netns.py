@@ -33,10 +33,14 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
     probe = f"pdsprobe{os.getpid()}"
+    # the whole pid in the link's name (at most 15 characters): both xdist workers probe at
+    # collection, and a name cut to the pid's first digits once made one of them refused
+    # ("File exists") and skip every partition test
+    veth = f"pp{os.getpid()}"
     try:
         _ip("netns", "add", probe)
-        _ip("link", "add", f"{probe[:11]}a", "type", "veth", "peer", "name", f"{probe[:11]}b")
-        _ip("link", "del", f"{probe[:11]}a")
+        _ip("link", "add", f"{veth}a", "type", "veth", "peer", "name", f"{veth}b")
+        _ip("link", "del", f"{veth}a")
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         stderr = getattr(exc, "stderr", b"") or b""
         return f"`ip netns`/veth refused here: {stderr.decode(errors='replace').strip()}"
