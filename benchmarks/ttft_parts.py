@@ -57,8 +57,11 @@ def stream_one(address: str, model: str, prompt: list[int], max_tokens: int) -> 
 def model_name(address: str) -> str:
     host, port = address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", "/v1/models")
-    return json.loads(conn.getresponse().read())["data"][0]["id"]
+    try:
+        conn.request("GET", "/v1/models")
+        return json.loads(conn.getresponse().read())["data"][0]["id"]
+    finally:
+        conn.close()
 
 
 def run(args: argparse.Namespace) -> list[dict]:
