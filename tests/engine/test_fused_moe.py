@@ -98,9 +98,13 @@ def test_the_engine_with_the_triton_experts_equals_the_default_path(
     assert greedy() == expected
 
 
-def test_cuda_graphs_refuse_an_expert_path_they_cannot_capture(tmp_path, default_model_dir):
+def test_cuda_graphs_refuse_an_expert_path_they_cannot_capture(tmp_path, default_model_dir,
+                                                               monkeypatch):
     """The grouped path sizes each expert's slice on the host; only the Triton kernel can be
-    captured (the default on CUDA). Checked before any capture, so it runs without a GPU."""
+    captured (the default on CUDA). Checked before any capture, so it runs without a GPU; the
+    engine is on the CPU, where the Triton attention backend wants the interpreter named even on
+    a machine with CUDA (no kernel runs here)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from engine.config import CacheConfig, EngineConfig
     from engine.engine import LLMEngine
     from tests.conftest import save_tiny_model
