@@ -174,12 +174,16 @@ def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--gpu-memory-fraction", type=float, default=None,
                         help="cuda: share of its GPU's memory each worker may use (default: "
                              "0.9 / workers on that GPU)")
-    launch.add_argument("--cuda-graphs", action="store_true",
-                        help="cuda: workers replay decode steps from CUDA graphs (unproven on a "
-                             "GPU; off by default)")
-    launch.add_argument("--async-scheduling", action="store_true",
+    on = argparse.BooleanOptionalAction  # --x / --no-x; unset: the workers' default
+    launch.add_argument("--cuda-graphs", action=on, default=None,
+                        help="cuda: workers replay decode steps from CUDA graphs (default: on "
+                             "for cuda)")
+    launch.add_argument("--async-scheduling", action=on, default=None,
                         help="decode/colocated workers schedule step N+1 while step N runs "
-                             "(unproven on a GPU; off by default)")
+                             "(default: on for cuda, off on cpu)")
+    launch.add_argument("--fused-kernels", action="store_true",
+                        help="cuda: fused Triton element-wise kernels in every worker (not yet "
+                             "proven in a cluster on a GPU; off by default)")
     launch.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per engine step on every worker (default: the engine's, "
                              "512 on CPU)")
@@ -258,6 +262,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
                        gpu_memory_fraction=args.gpu_memory_fraction,
                        kv_transport=args.kv_transport, router_args=placement_argv(args),
                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+                       fused_kernels=args.fused_kernels,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        tensor_parallel_size=args.tensor_parallel_size,
                        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,

@@ -61,8 +61,10 @@ class ClusterSpec:
     gpus: int | None = None  # cuda: GPUs to use, cuda:0..N-1 (None: every visible GPU)
     gpu_memory_fraction: float | None = None  # per worker (None: 0.9 / workers on its GPU)
     kv_transport: str = "auto"  # auto | shared | dist, passed to every worker
-    cuda_graphs: bool = False  # cuda: every worker replays decode steps from CUDA graphs
-    async_scheduling: bool = False  # decode and colocated workers schedule step N+1 early
+    # The GPU speed paths, passed to every worker (None: the workers' default, on for CUDA).
+    cuda_graphs: bool | None = None  # cuda: every worker replays decode steps from CUDA graphs
+    async_scheduling: bool | None = None  # decode and colocated workers schedule step N+1 early
+    fused_kernels: bool = False  # cuda: fused Triton element-wise kernels in every worker
     max_num_batched_tokens: int | None = None  # every worker's step budget (None: its default)
     tensor_parallel_size: int = 1  # ranks per worker (engine.tensor_parallel), every role
     prefill_tp: int | None = None  # prefill workers' ranks (None: tensor_parallel_size)
@@ -81,8 +83,10 @@ class ClusterSpec:
             raise ValueError("--cluster-cert, --cluster-key and --cluster-ca go together")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.cuda_graphs and self.device != "cuda":
-            raise ValueError("--cuda-graphs needs --device cuda")
+        for flag, on in (("--cuda-graphs", self.cuda_graphs),
+                         ("--fused-kernels", self.fused_kernels)):
+            if on and self.device != "cuda":
+                raise ValueError(f"{flag} needs --device cuda")
         self._check_tensor_parallel()
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
@@ -267,10 +271,12 @@ class LocalCluster:
             args += ["--dtype", spec.dtype]
         if spec.kv_cache_gb:
             args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
-        if spec.cuda_graphs:
-            args.append("--cuda-graphs")
-        if spec.async_scheduling and role != "prefill":
-            args.append("--async-scheduling")
+        if spec.cuda_graphs is not None:
+            args.append("--cuda-graphs" if spec.cuda_graphs else "--no-cuda-graphs")
+        if spec.async_scheduling is not None and role != "prefill":
+            args.append("--async-scheduling" if spec.async_scheduling else "--no-async-scheduling")
+        if spec.fused_kernels:
+            args.append("--fused-kernels")
         if spec.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
         if spec.tp_for(role) > 1:

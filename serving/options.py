@@ -61,10 +61,17 @@ class WorkerOptions:
     # piece on dist), so a long prompt's first token waits only for its last chunk's (issue 16).
     kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
-    cuda_graphs: bool = False  # CUDA: decode steps replay CUDA graphs (engine.decode_graphs)
+    # The GPU speed paths. None: the device's default, on for CUDA (an H200 cluster run proved
+    # workers with both token-identical to the offline engine: BENCHMARKS.md, "GPU proof"), off
+    # elsewhere (nothing to overlap on a CPU). Decode steps replay CUDA graphs
+    # (engine.decode_graphs).
+    cuda_graphs: bool | None = None
     # Schedule step N+1 while step N runs (engine async scheduling); decode and colocated only:
     # a prefill worker hands a request off right after the step that samples its first token.
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
+    # Fused Triton element-wise kernels (engine.models.fused): proven in the engine on CUDA, not
+    # yet in a cluster, so off unless asked for.
+    fused_kernels: bool = False
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
@@ -92,11 +99,7 @@ class WorkerOptions:
                              f"{self.max_queued_requests}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
-        if self.async_scheduling and self.role == "prefill":
-            raise ValueError("--async-scheduling is for decode and colocated workers, not "
-                             "prefill workers")
-        if self.cuda_graphs and not self.device.startswith("cuda"):
-            raise ValueError(f"--cuda-graphs needs --device cuda[:N], got {self.device!r}")
+        self._check_speed_paths()
         if self.kv_transport not in MODES:
             raise ValueError(f"--kv-transport must be one of {', '.join(MODES)}, got "
                              f"{self.kv_transport!r}")
@@ -110,6 +113,21 @@ class WorkerOptions:
         if not self.worker_id:
             object.__setattr__(self, "worker_id",
                                f"{self.role}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+
+    def _check_speed_paths(self) -> None:
+        """Resolves the speed paths left unset for the device, then checks the ones asked for."""
+        cuda = self.device.startswith("cuda")
+        if self.cuda_graphs is None:
+            object.__setattr__(self, "cuda_graphs", cuda)
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", cuda and self.role != "prefill")
+        if self.async_scheduling and self.role == "prefill":
+            raise ValueError("--async-scheduling is for decode and colocated workers, not "
+                             "prefill workers")
+        for flag, on in (("--cuda-graphs", self.cuda_graphs),
+                         ("--fused-kernels", self.fused_kernels)):
+            if on and not cuda:
+                raise ValueError(f"{flag} needs --device cuda[:N], got {self.device!r}")
 
     def _check_numbers(self) -> None:
         if self.threads < 1:
@@ -197,7 +215,7 @@ def _options(role: str, args: argparse.Namespace) -> WorkerOptions:
         log_level=args.log_level, log_format=args.log_format,
         kv_transport=args.kv_transport, kv_streaming=args.kv_streaming == "on",
         gpu_memory_fraction=args.gpu_memory_fraction, cuda_graphs=args.cuda_graphs,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, fused_kernels=args.fused_kernels,
         fault_kv_write_pause_s=float(os.environ.get("PDSERVE_FAULT_KV_WRITE_PAUSE_S", "0")),
         fault_move_pause_s=float(os.environ.get("PDSERVE_FAULT_MOVE_PAUSE_S", "0")),
         cluster_token=load_token(args.cluster_token_file), tls_ca=args.tls_ca,
@@ -267,9 +285,13 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                         help="CUDA: share of the GPU's total memory this worker may use (weights "
                              "+ activations + KV cache; the KV cache gets what is left)")
-    parser.add_argument("--cuda-graphs", action="store_true",
+    on = argparse.BooleanOptionalAction  # --x / --no-x; unset: the device's default
+    parser.add_argument("--cuda-graphs", action=on, default=None,
                         help="CUDA: replay decode steps from CUDA graphs captured at start "
-                             "(unproven on a GPU; off by default)")
-    parser.add_argument("--async-scheduling", action="store_true",
+                             "(default: on for CUDA)")
+    parser.add_argument("--async-scheduling", action=on, default=None,
                         help="decode/colocated: schedule and prepare step N+1 while step N runs "
-                             "(same outputs; for GPUs, unproven there; off by default)")
+                             "(same outputs; default: on for CUDA, off on CPU)")
+    parser.add_argument("--fused-kernels", action="store_true",
+                        help="CUDA: fused Triton element-wise kernels (proven in the engine, not "
+                             "yet in a cluster on a GPU; off by default)")

@@ -99,8 +99,7 @@ def build_engine(options: WorkerOptions, rank_launcher: RankLauncher | None = No
                           cuda_graphs=options.cuda_graphs,
                           async_scheduling=options.async_scheduling,
                           tensor_parallel_size=options.tensor_parallel_size,
-                          # Not yet run in a cluster on a GPU: off in workers until then.
-                          fused_kernels=False)
+                          fused_kernels=options.fused_kernels)
     if options.device != "cpu":  # the GPU run proved workers built on this thread: kept so
         return LLMEngine(config, rank_launcher)
     # The engine loop's thread alone computes on `threads` cores (engine.omp_threads): this

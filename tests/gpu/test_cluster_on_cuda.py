@@ -52,15 +52,19 @@ def run_cluster(tmp: Path, prompts: list[list[int]], reference: list[list[int]],
         return {w.kv_transport for w in workers}, {w.kv_device for w in workers}
 
 
-@pytest.mark.parametrize("prefill, decode, speed_paths", [(1, 1, False), (2, 2, False),
-                                                         (1, 1, True)])
+EAGER = {"cuda_graphs": False, "async_scheduling": False}
+WITH_FUSED = {"fused_kernels": True}
+
+
+@pytest.mark.parametrize("prefill, decode, speed_paths", [
+    (1, 1, EAGER), (2, 2, {}), (1, 1, WITH_FUSED)], ids=["eager", "default", "fused"])
 def test_one_gpu_shared_transport_matches_the_offline_engine(prefill, decode, speed_paths,
                                                              prompts, reference, tmp_path):
-    """speed_paths: every worker replays CUDA graphs, decode workers schedule asynchronously."""
+    """The workers' defaults on CUDA ({}): every worker replays CUDA graphs, decode workers
+    schedule asynchronously; EAGER turns both off, WITH_FUSED adds the fused kernels."""
     transports, devices = run_cluster(tmp_path, prompts, reference, prefill=prefill,
                                       decode=decode, gpus=1, kv_transport="shared",
-                                      cuda_graphs=speed_paths, async_scheduling=speed_paths,
-                                      router_args=("--local-prefill", "off"))
+                                      router_args=("--local-prefill", "off"), **speed_paths)
     assert transports == {"shared"} and all(d.startswith("cuda") for d in devices)
 
 

@@ -156,6 +156,22 @@ def test_graphs_reach_every_worker_and_async_scheduling_decode_and_colocated_onl
     assert "--cuda-graphs" not in commands["colocated-0"]
 
 
+def test_speed_paths_left_unset_leave_the_workers_their_default_and_off_says_so():
+    cluster, commands = fake_cluster(ClusterSpec(device="cuda", gpus=1))
+    for role in ("prefill", "decode"):
+        cluster.spawn_worker(role)
+    flags = {"--cuda-graphs", "--no-cuda-graphs", "--async-scheduling", "--no-async-scheduling",
+             "--fused-kernels"}
+    assert not any(flags & set(args) for args in commands.values())
+    cluster, commands = fake_cluster(ClusterSpec(device="cuda", gpus=1, cuda_graphs=False,
+                                                 async_scheduling=False, fused_kernels=True))
+    for role in ("prefill", "decode"):
+        cluster.spawn_worker(role)
+    assert flags & set(commands["prefill-0"]) == {"--no-cuda-graphs", "--fused-kernels"}
+    assert flags & set(commands["decode-0"]) == {"--no-cuda-graphs", "--no-async-scheduling",
+                                                 "--fused-kernels"}
+
+
 def test_the_step_budget_reaches_every_worker():
     """`launch --max-num-batched-tokens N` (vllm serve's flag): every role's step budget."""
     cluster, commands = fake_cluster(spec_of("--max-num-batched-tokens", "2048"))
@@ -345,5 +361,21 @@ def test_graph_and_async_flags_reach_the_engine_config(monkeypatch):
     assert (config.cuda_graphs, config.async_scheduling) == (True, True)
     with pytest.raises(ValueError, match="--cuda-graphs needs --device cuda"):
         WorkerOptions(role="decode", router="h:1", cuda_graphs=True)
+    with pytest.raises(ValueError, match="--fused-kernels needs --device cuda"):
+        WorkerOptions(role="decode", router="h:1", fused_kernels=True)
     with pytest.raises(ValueError, match="--async-scheduling is for decode and colocated"):
         WorkerOptions(role="prefill", router="h:1", async_scheduling=True)
+
+
+@pytest.mark.parametrize(("role", "device", "graphs", "async_scheduling"), [
+    ("decode", "cuda:0", True, True), ("colocated", "cuda", True, True),
+    ("prefill", "cuda:0", True, False), ("decode", "cpu", False, False),
+    ("prefill", "cpu", False, False)])
+def test_the_speed_paths_default_on_for_cuda_only(role, device, graphs, async_scheduling):
+    """Proven in a cluster on a GPU (graphs and async); fused kernels stay off until asked."""
+    options = parse_worker_args(role, ["--router", "h:1", "--device", device])
+    assert (options.cuda_graphs, options.async_scheduling, options.fused_kernels) == (
+        graphs, async_scheduling, False)
+    off = parse_worker_args(role, ["--router", "h:1", "--device", device, "--no-cuda-graphs",
+                                   "--no-async-scheduling"])
+    assert (off.cuda_graphs, off.async_scheduling) == (False, False)
