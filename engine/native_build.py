@@ -29,7 +29,10 @@ def cpu_flags() -> str:
 
 
 def extension_name(prefix: str, source: Path, cflags: tuple[str, ...]) -> str:
-    key = source.read_bytes() + cpu_flags().encode() + " ".join(cflags).encode()
+    """The build's name: the source, the headers beside it (it may include them), the CPU's
+    flags and the compiler flags, hashed."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = source.read_bytes() + headers + cpu_flags().encode() + " ".join(cflags).encode()
     return f"{prefix}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 

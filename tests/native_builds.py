@@ -4,7 +4,7 @@ The native modules take 15-30 s each to compile on 2 cores (a minute or so each 
 included <torch/extension.h>), and the kernel tests build more variants of them (what machines
 without AVX-512 or AVX2 compile). Built one after another, in whichever test first needs each,
 the suite once waited ~4 minutes on g++ running on one core while the other idled. `conftest.py`
-starts this module as two background processes when the session starts — the decode-attention
+starts this module as two background processes when the session starts — the attention
 builds in one, the element-wise ones and the few-row GEMM in the other — and whichever test
 needs a module first waits for that build through torch's own lock on the build directory (a
 build in progress is never started twice), then loads it from the cache.
@@ -46,13 +46,24 @@ def elementwise_variant(*extra: str) -> ModuleType:
     return build_native(PREFIX, SOURCE, (*CFLAGS, *extra))
 
 
+def prefill_variant(flag: str) -> ModuleType:
+    from engine.attention.cpu_kernel import build_prefill_kernel
+
+    return build_prefill_kernel(extra_cflags=(flag,))
+
+
 def _decode_builds() -> None:
-    from engine.attention.cpu_kernel import load_cpu_kernel
+    """The attention kernels: decode, then the causal prefill kernel (AVX-512 only) and its
+    build for machines without AVX512-BF16."""
+    from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
 
     load_cpu_kernel()
     for flag, feature in DECODE_VARIANTS.items():
         if has(feature):
             decode_variant(flag)
+    load_prefill_kernel()
+    if has("avx512_bf16"):
+        prefill_variant("-mno-avx512bf16")
 
 
 def _elementwise_builds() -> None:

@@ -1,7 +1,8 @@
-"""Builds (once, cached on disk) and loads the native CPU paged decode-attention kernel.
+"""Builds (once, cached on disk) and loads the native CPU attention kernels: paged decode
+attention (csrc/paged_decode.cpp) and causal prefill attention (csrc/prefill_attention.cpp).
 
-The kernel is compiled for this machine's instruction set (engine.native_build). If no compiler is
-available the torch path is used instead.
+Each is compiled for this machine's instruction set (engine.native_build). If no compiler is
+available, or the machine lacks what a kernel needs, the torch path is used instead.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from engine.native_build import build_native, try_build_native
+from engine.native_build import build_native, cpu_flags, try_build_native
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 DISABLE_ENV = "PDSERVE_DISABLE_CPU_KERNEL"
 PREFIX = "pdserve_paged_decode"
+PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")
+PREFILL_DISABLE_ENV = "PDSERVE_DISABLE_CPU_PREFILL_KERNEL"
+PREFILL_PREFIX = "pdserve_prefill_attention"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
 
 
@@ -33,3 +37,19 @@ def load_cpu_kernel() -> ModuleType | None:
     if os.environ.get(DISABLE_ENV):
         return None
     return try_build_native(PREFIX, SOURCE, CFLAGS, "native CPU decode attention")
+
+
+def build_prefill_kernel(extra_cflags: tuple[str, ...] = ()) -> ModuleType:
+    """Compiles (or loads the cached build of) the prefill kernel; raises where it cannot."""
+    return build_native(PREFILL_PREFIX, PREFILL_SOURCE, (*CFLAGS, *extra_cflags))
+
+
+@functools.cache
+def load_prefill_kernel() -> ModuleType | None:
+    """The compiled prefill kernel where this machine runs it (AVX-512; its `supports(dtype)`
+    says which dtypes), else None: SDPA's flash kernel attends prompts instead."""
+    if os.environ.get(DISABLE_ENV) or os.environ.get(PREFILL_DISABLE_ENV):
+        return None
+    if "avx512f" not in cpu_flags().split():
+        return None  # the kernel is AVX-512 only: nothing to build
+    return try_build_native(PREFILL_PREFIX, PREFILL_SOURCE, CFLAGS, "native CPU prefill attention")

@@ -1,0 +1,166 @@
+"""The native causal prefill-attention kernel (engine/attention/csrc/prefill_attention.cpp)
+against a float64 reference: whole prompts and chunks after a prefix, lengths on both sides of its
+16-query tiles and 32-key chunks (1 to 700), GQA groups 1/3/4/8, head dims 64 and 128, sliding
+windows, strided rows (q, k and v as slices of wider projections), the build machines without
+AVX512-BF16 compile, its refusals, and its place in the torch paged-attention path.
+
+Tolerances: float32 within 1e-5. In bfloat16 the kernel rounds each probability to bf16 before
+the V product (as SDPA's bf16 flash kernel does) and the result to bf16 once; with unit-variance
+inputs the outputs are below ~1.5 in size, and the bound asserted is 2e-2 absolute (2.5 bf16 ulps
+at 1.0; 8e-3 measured at 256 and 512 queries).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
+from engine.attention.torch_paged import native_prefill_runs, plan_attention, run_planned_attention
+from tests.native_builds import has, prefill_variant
+
+HEADS = {1: (4, 4), 3: (9, 3), 4: (8, 2), 8: (16, 2)}  # group: (heads, kv heads)
+BF16_ATOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    native = load_prefill_kernel()
+    if native is None:
+        pytest.skip("the prefill kernel needs AVX-512 and a C++ compiler")
+    return native
+
+
+def make_case(lq, length, group, dim, dtype, seed=0, wide=True):
+    """q, k, v as slices of wider rows (a fused projection's layout) when `wide`."""
+    heads, kv = HEADS[group]
+    g = torch.Generator().manual_seed(seed)
+    extra = 3 if wide else 0
+    q = torch.randn(lq, heads + extra, dim, generator=g)[:, :heads].to(dtype)
+    k = torch.randn(length, kv + extra, dim, generator=g)[:, :kv].to(dtype)
+    v = torch.randn(length, kv + extra, dim, generator=g)[:, :kv].to(dtype)
+    return q, k, v
+
+
+def reference(q, k, v, scale, window=0):
+    """float64: query i at position len - lq + i sees keys up to it (the last `window`)."""
+    lq, heads, _ = q.shape
+    length, kv = k.shape[0], k.shape[1]
+    group = heads // kv
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double()
+    scores = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    q_pos = torch.arange(length - lq, length).unsqueeze(1)
+    k_pos = torch.arange(length).unsqueeze(0)
+    hidden = k_pos > q_pos
+    if window:
+        hidden |= k_pos <= q_pos - window
+    probs = torch.softmax(scores.masked_fill(hidden, -math.inf), -1)
+    return torch.einsum("hqk,khd->qhd", probs, vd.repeat_interleave(group, 1))
+
+
+def check(kernel, lq, length, group, dim, dtype, window=0):
+    q, k, v = make_case(lq, length, group, dim, dtype)
+    out = torch.full_like(q, float("nan"))
+    kernel.causal_prefill_attention(q, k, v, dim ** -0.5, out, window)
+    expected = reference(q, k, v, dim ** -0.5, window)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert (out.double() - expected).abs().max().item() <= BF16_ATOL
+
+
+@pytest.mark.parametrize("lq, length", [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33),
+                                        (256, 256), (300, 300), (5, 40), (64, 700), (31, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_and_chunks_after_a_prefix(kernel, lq, length, dtype):
+    if not kernel.supports(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"this machine's build has no {dtype} path")
+    check(kernel, lq, length, 3, 64, dtype)
+
+
+@pytest.mark.parametrize("group", sorted(HEADS))
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_groups_and_head_dims(kernel, group, dim, dtype):
+    if not kernel.supports(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"this machine's build has no {dtype} path")
+    check(kernel, 50, 83, group, dim, dtype)
+
+
+@pytest.mark.parametrize("lq, length, window", [(17, 17, 5), (200, 500, 64), (64, 64, 1),
+                                                (40, 40, 40), (3, 100, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_windows(kernel, lq, length, window, dtype):
+    if not kernel.supports(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"this machine's build has no {dtype} path")
+    check(kernel, lq, length, 3, 64, dtype, window)
+
+
+def test_bf16_is_built_exactly_where_the_cpu_has_it(kernel):
+    assert kernel.supports("float32")
+    assert kernel.supports("bfloat16") == has("avx512_bf16")
+    assert not kernel.supports("float16")
+
+
+def test_the_build_without_avx512_bf16_keeps_float32_and_refuses_bf16(kernel):
+    """What an AVX-512 machine without AVX512-BF16 (Skylake, Ice Lake) compiles."""
+    if not has("avx512_bf16"):
+        pytest.skip("this machine's own build is that build")
+    variant = prefill_variant("-mno-avx512bf16")
+    assert variant.supports("float32") and not variant.supports("bfloat16")
+    check(variant, 40, 70, 3, 64, torch.float32)
+    q, k, v = make_case(4, 4, 3, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not support BFloat16"):
+        variant.causal_prefill_attention(q, k, v, 0.125, torch.empty_like(q), 0)
+
+
+def test_bad_shapes_are_refused(kernel):
+    q, k, v = make_case(4, 8, 3, 64, torch.float32, wide=False)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        kernel.causal_prefill_attention(q[..., :32], k[..., :32], v[..., :32], 0.1,
+                                        out[..., :32].contiguous(), 0)
+    with pytest.raises(RuntimeError, match="len >= lq"):
+        kernel.causal_prefill_attention(q, k[:2], v[:2], 0.1, out, 0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel.causal_prefill_attention(q, k.double(), v, 0.1, out, 0)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        kernel.causal_prefill_attention(q, k, v, 0.1, out, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_paged_path_attends_prompts_with_it(kernel, dtype):
+    """A step with a decode row, a whole prompt (its own fresh K/V) and a long chunk after a
+    cached prefix (gathered from the paged cache): the same as the path without the kernel."""
+    if not native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=dtype)):
+        pytest.skip(f"this machine's build has no {dtype} path")
+    g = torch.Generator().manual_seed(1)
+    block, heads, kv, dim = 16, 9, 3, 64
+    k_cache = torch.randn(40, block, kv, dim, generator=g).to(dtype)
+    v_cache = torch.randn(40, block, kv, dim, generator=g).to(dtype)
+    table = torch.randperm(40, generator=g).to(torch.int32).view(4, 10)
+    query_lens, seq_lens = [1, 70, 90], [50, 70, 150]
+    q = torch.randn(sum(query_lens), heads, dim, generator=g).to(dtype)
+    starts = [0, 1, 71]
+    new_k = torch.cat([_slots(k_cache, table[i], seq_lens[i] - n, seq_lens[i], block)
+                       for i, n in enumerate(query_lens)])
+    new_v = torch.cat([_slots(v_cache, table[i], seq_lens[i] - n, seq_lens[i], block)
+                       for i, n in enumerate(query_lens)])
+    plan = plan_attention(table, query_lens, seq_lens, block)
+    decode = load_cpu_kernel()
+    assert decode is not None  # the prefill kernel runs beside it: built wherever it builds
+    got, want = torch.empty_like(q), torch.empty_like(q)
+    run_planned_attention(plan, q, k_cache, v_cache, 0.125, got, (new_k, new_v), decode,
+                          native_prefill=kernel)
+    run_planned_attention(plan, q, k_cache, v_cache, 0.125, want, (new_k, new_v), decode)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=BF16_ATOL, rtol=0)
+    for a, n in zip(starts, query_lens):
+        torch.testing.assert_close(got[a:a + n].float(), want[a:a + n].float(), **tol)
+
+
+def _slots(cache, row, first, last, block):
+    """The cache's slots first..last-1 of a sequence whose blocks are `row`: its fresh K or V."""
+    positions = torch.arange(first, last)
+    return cache[row[positions // block].long(), positions % block]
