@@ -1,11 +1,12 @@
-"""One sequence's prefill attention on CPU, three forms side by side: SDPA's flash kernel over K/V
-heads expanded per query head (the engine's form), SDPA with `enable_gqa` (which takes SDPA's math
-path on CPU), and query tiles over bmm (`_attend_prefill_tiled`, the engine's form for
-soft-capped layers and its prefill form before eb2367f). Default model's shapes (9 query heads,
-3 K/V heads, d64); `--queries`/`--keys` pairs are a chunk of Q queries at the end of K keys
+"""One sequence's prefill attention on CPU, the forms side by side: the native causal prefill
+kernel (csrc/prefill_attention.cpp, the engine's form where it builds: AVX-512, bf16 with
+AVX512-BF16), SDPA's flash kernel over K/V heads expanded per query head (the engine's form
+elsewhere), SDPA with `enable_gqa` (which takes SDPA's math path on CPU), and query tiles over
+bmm (`_attend_prefill_tiled`, the form for soft-capped layers). Default model's shapes (9
+query heads, 3 K/V heads, d64); `--pairs` Q:K are a chunk of Q queries at the end of K keys
 (Q == K: a whole prompt). Median ms per call over `--repeats`, the forms alternating.
 
-    python -m benchmarks.prefill_attention_forms [--pairs 512:512,256:768,512:1024,128:1024]
+    python -m benchmarks.prefill_attention_forms [--pairs 256:256,512:512,256:768,512:1024,128:1024]
         [--dtypes float32,bfloat16] [--repeats 20] [--threads 2]
 """
 
@@ -20,9 +21,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.attention.torch_paged import _attend_causal_sdpa, _attend_prefill_tiled
+from engine.attention.cpu_kernel import load_prefill_kernel
+from engine.attention.torch_paged import (
+    _attend_causal_sdpa,
+    _attend_prefill_tiled,
+    native_prefill_runs,
+)
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+FORM_NAMES = ("native kernel", "sdpa, K/V expanded", "sdpa, enable_gqa", "query tiles")
 
 
 def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -36,9 +43,15 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callab
         return F.scaled_dot_product_attention(q_heads, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
 
-    return {"sdpa, K/V expanded": lambda: _attend_causal_sdpa(q_heads, k, v, scale, None),
-            "sdpa, enable_gqa": gqa_math,
-            "query tiles": lambda: _attend_prefill_tiled(q, k, v, scale, out)}
+    calls = {"sdpa, K/V expanded": lambda: _attend_causal_sdpa(q_heads, k, v, scale, None),
+             "sdpa, enable_gqa": gqa_math,
+             "query tiles": lambda: _attend_prefill_tiled(q, k, v, scale, out)}
+    kernel = load_prefill_kernel()
+    if native_prefill_runs(kernel, q):
+        k_rows, v_rows = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+        calls["native kernel"] = lambda: kernel.causal_prefill_attention(q, k_rows, v_rows,
+                                                                         scale, out, 0)
+    return calls
 
 
 def measure(lq: int, seq_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
@@ -60,7 +73,7 @@ def measure(lq: int, seq_len: int, dtype: torch.dtype, repeats: int) -> dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", default="512:512,256:768,512:1024,128:1024",
+    p.add_argument("--pairs", default="256:256,512:512,256:768,512:1024,128:1024",
                    help="comma list of QUERIES:KEYS")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=20)
@@ -70,13 +83,15 @@ def main() -> None:
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.pairs.split(",")]
     print(f"machine: {platform.machine()}, {args.threads} threads, torch {torch.__version__}; "
           f"ms per call, median of {args.repeats}")
-    print("| dtype | queries × keys | SDPA, K/V expanded | SDPA, enable_gqa | query tiles |")
-    print("|---|---|---|---|---|")
     for dtype_name in args.dtypes.split(","):
+        print(f"\n| dtype | queries × keys | {' | '.join(FORM_NAMES)} | SDPA / native |")
+        print("|---|---|" + "---|" * (len(FORM_NAMES) + 1))
         for lq, seq_len in pairs:
             ms = measure(lq, seq_len, getattr(torch, dtype_name), args.repeats)
-            cells = " | ".join(f"{v:.2f}" for v in ms.values())
-            print(f"| {dtype_name} | {lq} × {seq_len} | {cells} |")
+            cells = " | ".join(f"{ms[name]:.2f}" if name in ms else "-" for name in FORM_NAMES)
+            native = ms.get("native kernel")
+            ratio = f"{ms['sdpa, K/V expanded'] / native:.2f}x" if native else "-"
+            print(f"| {dtype_name} | {lq} × {seq_len} | {cells} | {ratio} |")
 
 
 if __name__ == "__main__":

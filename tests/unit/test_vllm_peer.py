@@ -123,6 +123,21 @@ def test_vllm_side_imports_nothing_of_the_project_venv():
     assert _stdlib_or(ROOT / "loadtest" / "workloads" / "__init__.py", set()) == set()
     assert _stdlib_or(ROOT / "loadtest" / "__init__.py", set()) == set()
     assert _stdlib_or(ROOT / "benchmarks" / "vllm_env.py", set()) == set()
+    # its `ours` child imports the engine inside the function that runs it, under .venv only
+    assert _stdlib_or(ROOT / "benchmarks" / "prefill_vs_vllm.py",
+                      {"vllm", "benchmarks", "engine"}) == set()
+
+
+def test_prefill_passes_are_fresh_prompts_of_the_asked_shape():
+    from benchmarks.prefill_vs_vllm import time_passes
+
+    seen: list[list[list[int]]] = []
+    result = time_passes(seen.append, [1, 3], length=5, repeats=2)
+    assert set(result) == {"1", "3"} and all(ms >= 0 for ms in result.values())
+    assert [len(batch) for batch in seen] == [2, 1, 1, 3, 3]  # the warm-up, then 2 per count
+    assert all(len(prompt) == 5 for batch in seen for prompt in batch)
+    prompts = [tuple(prompt) for batch in seen for prompt in batch]
+    assert len(set(prompts)) == len(prompts)  # no pass reuses a prompt: no prefix-cache hit
 
 
 def test_child_counts_length_mismatches_and_rss():
