@@ -171,16 +171,28 @@ inline void softmax_step(const __m512* s, int64_t row, int64_t first, const int6
   }
 }
 
+// The unnormalised outputs of RB rows into registers, rescaled by this chunk's alpha; and back.
+template <int D, int RB>
+inline void load_rescaled(const RowState& st, int64_t row, __m512 (&o)[RB][D / 16]) {
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < D / 16; ++c)
+      o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(st.o + (row + r) * D + 16 * c),
+                              _mm512_set1_ps(st.alpha[row + r]));
+}
+
+template <int D, int RB>
+inline void store_rows(RowState& st, int64_t row, const __m512 (&o)[RB][D / 16]) {
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(st.o + (row + r) * D + 16 * c, o[r][c]);
+}
+
 // o[r] = o[r] * alpha[r] + p[r] . V_chunk for RB rows starting at `row`.
 #if defined(__AVX512BF16__)
 template <int D, int RB>
 inline void chunk_values(const bf16* vp, int64_t row, RowState& st) {
   constexpr int C = D / 16;
   __m512 o[RB][C];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c)
-      o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(st.o + (row + r) * D + 16 * c),
-                              _mm512_set1_ps(st.alpha[row + r]));
+  load_rescaled<D, RB>(st, row, o);
   const uint32_t* words = reinterpret_cast<const uint32_t*>(vp);
   for (int jp = 0; jp < kKeys / 2; ++jp) {
     __m512bh v[C];
@@ -192,8 +204,7 @@ inline void chunk_values(const bf16* vp, int64_t row, RowState& st) {
       for (int c = 0; c < C; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], pw, v[c]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(st.o + (row + r) * D + 16 * c, o[r][c]);
+  store_rows<D, RB>(st, row, o);
 }
 
 #endif  // __AVX512BF16__
@@ -202,10 +213,7 @@ template <int D, int RB>
 inline void chunk_values(const float* vp, int64_t row, RowState& st) {
   constexpr int C = D / 16;
   __m512 o[RB][C];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c)
-      o[r][c] = _mm512_mul_ps(_mm512_loadu_ps(st.o + (row + r) * D + 16 * c),
-                              _mm512_set1_ps(st.alpha[row + r]));
+  load_rescaled<D, RB>(st, row, o);
   for (int j = 0; j < kKeys; ++j) {
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vp + j * D + 16 * c);
@@ -214,8 +222,7 @@ inline void chunk_values(const float* vp, int64_t row, RowState& st) {
       for (int c = 0; c < C; ++c) o[r][c] = _mm512_fmadd_ps(pj, v[c], o[r][c]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(st.o + (row + r) * D + 16 * c, o[r][c]);
+  store_rows<D, RB>(st, row, o);
 }
 
 // Per-thread buffers for one work item of up to kQ * group rows (rounded up to kRows).
