@@ -12,9 +12,8 @@ else SDPA's flash kernel, over K/V heads expanded per query head (`_attend_causa
 soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU a short chunk after a
 cached prefix (up to NATIVE_CHUNK_MAX queries) goes to the native decode kernel instead, each
 query as a decode row whose length ends at its own position: that is the bottom-right causal
-mask, with no gather. The plan (which
-rows are decodes, masks, gather indices) depends only on the step, so
-`TorchPagedAttention.prepare` builds it once per step for every layer.
+mask, with no gather. The plan (which rows are decodes, masks, gather indices) depends only on
+the step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
 """
 
 from __future__ import annotations
