@@ -3,7 +3,7 @@ one output token each (the step a served request's first token waits for), fresh
 pass so nothing is served from the prefix cache; median ms over `--repeats` passes per K.
 
     .venv/bin/python -m benchmarks.prefill_vs_vllm [--counts 1,4,8] [--length 256]
-        [--dtype bfloat16] [--repeats 5] [--systems ours,vllm]
+        [--dtype bfloat16] [--repeats 5] [--systems ours,ours_sdpa,vllm]
 
 Each system runs in its own child process, one after the other: ours under .venv with the step
 budget `router launch --colocated` gives a CPU worker (2,048 tokens), vLLM under .venv-vllm
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -83,10 +84,13 @@ def child(args: argparse.Namespace) -> None:
 def run_system(system: str, args: argparse.Namespace) -> dict[str, float]:
     from benchmarks.vllm_env import vllm_env, vllm_python
 
-    flags = ["--child", system, "--counts", args.counts, "--length", str(args.length),
+    child_name = "vllm" if system == "vllm" else "ours"
+    flags = ["--child", child_name, "--counts", args.counts, "--length", str(args.length),
              "--dtype", args.dtype, "--repeats", str(args.repeats)]
-    if system == "ours":
-        cmd, env = [sys.executable, "-m", "benchmarks.prefill_vs_vllm", *flags], None
+    if child_name == "ours":
+        kernel_off = {"PDSERVE_DISABLE_CPU_PREFILL_KERNEL": "1"} if system == "ours_sdpa" else {}
+        env = {**os.environ, **kernel_off}
+        cmd = [sys.executable, "-m", "benchmarks.prefill_vs_vllm", *flags]
     else:
         from engine.loader import resolve_model_path
 
@@ -107,14 +111,19 @@ def main() -> None:
     p.add_argument("--length", type=int, default=256, help="tokens per prompt")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--systems", default="ours,vllm")
+    p.add_argument("--systems", default="ours,vllm",
+                   help="ours, ours_sdpa (ours with the native prefill kernel off), vllm")
     p.add_argument("--child", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    results = {system: run_system(system, args) for system in args.systems.split(",")}
+    systems = args.systems.split(",")
+    unknown = set(systems) - {"ours", "ours_sdpa", "vllm"}
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(sorted(unknown))} (ours, ours_sdpa, vllm)")
+    results = {system: run_system(system, args) for system in systems}
     counts = args.counts.split(",")
     print(f"{args.length}-token prompts, {args.dtype}, median ms of {args.repeats} passes")
     print("| system | " + " | ".join(f"{k} prompts" for k in counts) + " |")
