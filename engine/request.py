@@ -242,6 +242,8 @@ class Request:
     output_text: str = ""
     num_emitted_chars: int = 0
     _block_hashes: list[int] = field(default_factory=list)
+    # The prefix-cache keys of the prompt's full blocks, once asked for (engine.prefix_wait)
+    prompt_block_keys: list[int] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.forks import ForkSources
+from engine.prefix_wait import PrefixesInFlight
 from engine.queue_order import running_order, waiting_order
 from engine.request import FinishReason, Request, RequestStatus
 
@@ -255,13 +256,16 @@ class Scheduler:
             return budget  # before ordering: short_first sorts the whole queue
         bm = self.block_manager
         admitted = 0
+        in_flight = PrefixesInFlight(bm, self.running)
         for request in waiting_order(self.waiting, self.config, now):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             # A prompt whose logprobs are asked for computes every position: cached ones have
             # no logits (vLLM skips the cache for them too).
-            hits = (bm.find_cached_prefix(request)
-                    if not request.block_ids and request.params.prompt_logprobs is None else [])
+            cacheable = not request.block_ids and request.params.prompt_logprobs is None
+            hits = bm.find_cached_prefix(request) if cacheable else []
+            if cacheable and in_flight.should_wait(request, len(hits)):
+                continue  # a running request is computing its prefix: it waits for the cache
             num_hit = len(hits) * bm.block_size
             num = self._chunk(request, request.num_tokens - request.num_computed_tokens - num_hit,
                               budget)
