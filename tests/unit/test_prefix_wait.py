@@ -1,5 +1,6 @@
-"""Waiting prompts that share a prefix a running request is computing wait for it (engine.prefix_wait)
-and then compute only their own suffix; outputs never change and nothing waits forever."""
+"""Waiting prompts that share a prefix a running request is computing wait for it
+(engine.prefix_wait), then compute only their own suffix; outputs never change and nothing
+waits forever."""
 
 from __future__ import annotations
 
