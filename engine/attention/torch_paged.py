@@ -10,10 +10,11 @@ go to the native causal prefill kernel (csrc/prefill_attention.cpp: bf16 dot pro
 CPU has them; 1.7x SDPA's flash kernel in fp32 and 3.2x in bf16 on a 256-token prompt, Zen 4);
 else SDPA's flash kernel, over K/V heads expanded per query head (`_attend_causal_sdpa`);
 soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU a short chunk after a
-cached prefix (up to NATIVE_CHUNK_MAX queries) goes to the native decode kernel instead, each
-query as a decode row whose length ends at its own position: that is the bottom-right causal
-mask, with no gather. The plan (which rows are decodes, masks, gather indices) depends only on
-the step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
+cached prefix (up to NATIVE_CHUNK_MAX queries; below PREFILL_KERNEL_CHUNK_MIN where the prefill
+kernel runs) goes to the native decode kernel instead, each query as a decode row whose length
+ends at its own position: that is the bottom-right causal mask, with no gather. The plan (which
+rows are decodes, masks, gather indices) depends only on the step, so
+`TorchPagedAttention.prepare` builds it once per step for every layer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ PREFILL_TILE = 128  # query rows per score tile on CPU (64-256 measured within 1
 # SmolLM2 shapes, 2 threads, 512 / 2048-token prefix: 4-6x / 3.3-3.6x at 4 queries, 2.1-2.4x /
 # 1.6-1.8x at 16, 1.1-1.3x at 64, and 0.7-1.1x at 256 (fp32 and bf16).
 NATIVE_CHUNK_MAX = 64
+# Where the native prefill kernel runs, it takes chunks of at least this many queries after a
+# prefix: its tiles share each key load among 16 queries. Decode rows take 1.08-1.10x its time
+# at 32 queries in fp32 (1.49-1.54x in bf16), 0.83-0.96x at 16-24 in fp32 (SmolLM2 shapes,
+# 512 / 2048-token prefixes, Zen 4, 2 threads, the kernel timed with its gather of the prefix).
+PREFILL_KERNEL_CHUNK_MIN = 32
 
 
 @dataclass
@@ -146,8 +152,10 @@ def run_planned_attention(
             _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out, window or 0)
         else:
             _attend_decodes(plan, q, k_cache, v_cache, scale, out, window, softcap)
+    kernel_chunks = softcap is None and native_prefill_runs(prefill, q)
     for p in plan.prefills:
-        if native is not None and p.chunk_table is not None and q.device.type == "cpu":
+        if native is not None and p.chunk_table is not None and q.device.type == "cpu" and not (
+                kernel_chunks and p.q_end - p.q_start >= PREFILL_KERNEL_CHUNK_MIN):
             native.paged_decode_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.chunk_table,
                                           p.chunk_lens, scale, out[p.q_start:p.q_end],
                                           window or 0)

@@ -208,13 +208,20 @@ class _Recorder:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype):
     """Through the backend: chunks of up to NATIVE_CHUNK_MAX queries after a cached prefix go
-    to the kernel as decode rows (bottom-right causal); a fresh prompt and a longer chunk keep
-    the torch path; decodes beside them are unaffected."""
-    from engine.attention.torch_paged import NATIVE_CHUNK_MAX, TorchPagedAttention
+    to the kernel as decode rows (bottom-right causal), except, where the native prefill kernel
+    runs, those of PREFILL_KERNEL_CHUNK_MIN queries or more, which it takes; a fresh prompt and
+    a longer chunk keep the prefill path; decodes beside them are unaffected."""
+    from engine.attention.torch_paged import (
+        NATIVE_CHUNK_MAX,
+        PREFILL_KERNEL_CHUNK_MIN,
+        TorchPagedAttention,
+        native_prefill_runs,
+    )
     from tests.engine.test_attention import build_case
 
-    q_lens = [1, 2, 16, NATIVE_CHUNK_MAX, NATIVE_CHUNK_MAX + 1, 20, 1]
-    seq_lens = [40, 17, 1000, 100, 300, 20, 5]
+    edge = PREFILL_KERNEL_CHUNK_MIN
+    q_lens = [1, 2, 16, edge - 1, edge, NATIVE_CHUNK_MAX, NATIVE_CHUNK_MAX + 1, 20, 1]
+    seq_lens = [40, 17, 1000, 600, 700, 100, 300, 20, 5]
     args, kwargs = build_case(q_lens, seq_lens, 9, 3, head_dim=64, dtype=dtype)
     backend = TorchPagedAttention()
     recorder = _Recorder(kernel)
@@ -223,11 +230,17 @@ def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype
     got = backend(*args, **kwargs).float()
     q, k, v = (t.float() for t in args[:3])
     expected = paged_attention_reference(q, k, v, *args[3:], **kwargs)
-    native_rows = torch.tensor([n <= NATIVE_CHUNK_MAX and (n == 1 or n < s)
-                                for n, s in zip(q_lens, seq_lens) for _ in range(n)])
+    prefill_kernel = native_prefill_runs(backend._native_prefill, args[0])
+    as_rows = [n == 1 or (n <= NATIVE_CHUNK_MAX and n < s
+                          and not (prefill_kernel and n >= PREFILL_KERNEL_CHUNK_MIN))
+               for n, s in zip(q_lens, seq_lens)]
+    native_rows = torch.tensor([rows for n, rows in zip(q_lens, as_rows) for _ in range(n)])
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(got[native_rows], expected[native_rows], **tol)
     torch_tol = 1e-5 if dtype == torch.float32 else 1.5e-2  # bf16 matmuls in the torch path
     torch.testing.assert_close(got[~native_rows], expected[~native_rows], atol=torch_tol,
                                rtol=torch_tol)
-    assert sorted(recorder.calls) == [2, 2, 16, NATIVE_CHUNK_MAX]  # the 2 decodes in one call
+    chunks = [n for n, rows in zip(q_lens, as_rows) if rows and n > 1]
+    assert sorted(recorder.calls) == sorted([2, *chunks])  # the 2 decodes in one call
+    if prefill_kernel:
+        assert chunks == [2, 16, edge - 1]
