@@ -67,8 +67,8 @@ def test_engine_imports_neither_grpc_nor_ray():
 
 
 def test_bookkeeping_modules_import_no_torch():
-    for name in ("request", "block_manager", "scheduler", "queue_order", "forks", "config",
-                 "architectures", "tokenizer"):
+    for name in ("request", "block_manager", "scheduler", "queue_order", "prefix_wait", "forks",
+                 "config", "architectures", "tokenizer"):
         assert "torch" not in imports_of(ROOT / "engine" / f"{name}.py"), name
 
 
