@@ -53,8 +53,8 @@ def prefill_variant(flag: str) -> ModuleType:
 
 
 def _decode_builds() -> None:
-    """The attention kernels: decode, then the causal prefill kernel (AVX-512 only) and its
-    build for machines without AVX512-BF16."""
+    """The attention kernels: decode, then the causal prefill kernel and its builds for
+    machines without AVX512-BF16 and without AVX-512."""
     from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
 
     load_cpu_kernel()
@@ -64,6 +64,8 @@ def _decode_builds() -> None:
     load_prefill_kernel()
     if has("avx512_bf16"):
         prefill_variant("-mno-avx512bf16")
+    if has("avx512f"):
+        prefill_variant("-mno-avx512f")
 
 
 def _elementwise_builds() -> None:

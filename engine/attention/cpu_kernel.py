@@ -46,10 +46,12 @@ def build_prefill_kernel(extra_cflags: tuple[str, ...] = ()) -> ModuleType:
 
 @functools.cache
 def load_prefill_kernel() -> ModuleType | None:
-    """The compiled prefill kernel where this machine runs it (AVX-512; its `supports(dtype)`
-    says which dtypes), else None: SDPA's flash kernel attends prompts instead."""
+    """The compiled prefill kernel where this machine runs it (AVX-512, or AVX2 with FMA; its
+    `supports(dtype)` says which dtypes), else None: SDPA's flash kernel attends prompts
+    instead."""
     if os.environ.get(DISABLE_ENV) or os.environ.get(PREFILL_DISABLE_ENV):
         return None
-    if "avx512f" not in cpu_flags().split():
-        return None  # the kernel is AVX-512 only: nothing to build
+    flags = set(cpu_flags().split())
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return None  # the kernel has no path for this CPU: nothing to build
     return try_build_native(PREFILL_PREFIX, PREFILL_SOURCE, CFLAGS, "native CPU prefill attention")

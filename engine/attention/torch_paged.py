@@ -5,16 +5,16 @@ in place through the block table; without it, they are attended in one batched S
 gathered through the block table (`index_select` on rows of the flattened cache) with an additive
 key-length mask. Prefill and chunked-prefill sequences are attended one by one: a prompt computed
 whole in this step attends its own fresh K/V with `is_causal` (no gather at all); a chunk after a
-cached prefix gathers its blocks and uses a bottom-right causal mask. On CPU with AVX-512 both
-go to the native causal prefill kernel (csrc/prefill_attention.cpp: bf16 dot products where the
-CPU has them; 1.7x SDPA's flash kernel in fp32 and 3.2x in bf16 on a 256-token prompt, Zen 4);
-else SDPA's flash kernel, over K/V heads expanded per query head (`_attend_causal_sdpa`);
-soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU a short chunk after a
-cached prefix (up to NATIVE_CHUNK_MAX queries; below PREFILL_KERNEL_CHUNK_MIN where the prefill
-kernel runs) goes to the native decode kernel instead, each query as a decode row whose length
-ends at its own position: that is the bottom-right causal mask, with no gather. The plan (which
-rows are decodes, masks, gather indices) depends only on the step, so
-`TorchPagedAttention.prepare` builds it once per step for every layer.
+cached prefix gathers its blocks and uses a bottom-right causal mask. On CPU with AVX-512 (fp32
+also with AVX2 + FMA) both go to the native causal prefill kernel (csrc/prefill_attention.cpp:
+bf16 dot products where the CPU has them; 1.7x SDPA's flash kernel in fp32 and 3.2x in bf16 on
+a 256-token prompt, Zen 4); else SDPA's flash kernel, over K/V heads expanded per query head
+(`_attend_causal_sdpa`); soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU
+a short chunk after a cached prefix (up to NATIVE_CHUNK_MAX queries; below
+PREFILL_KERNEL_CHUNK_MIN where the prefill kernel runs) goes to the native decode kernel instead,
+each query as a decode row whose length ends at its own position: that is the bottom-right
+causal mask, with no gather. The plan (which rows are decodes, masks, gather indices) depends
+only on the step, so `TorchPagedAttention.prepare` builds it once per step for every layer.
 """
 
 from __future__ import annotations

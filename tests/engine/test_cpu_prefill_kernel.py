@@ -29,7 +29,7 @@ BF16_ATOL = 2e-2
 def kernel():
     native = load_prefill_kernel()
     if native is None:
-        pytest.skip("the prefill kernel needs AVX-512 and a C++ compiler")
+        pytest.skip("the prefill kernel needs AVX-512 or AVX2 + FMA, and a C++ compiler")
     return native
 
 
@@ -71,8 +71,20 @@ def check(kernel, lq, length, group, dim, dtype, window=0):
         assert (out.double() - expected).abs().max().item() <= BF16_ATOL
 
 
-@pytest.mark.parametrize("lq, length", [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33),
-                                        (256, 256), (300, 300), (5, 40), (64, 700), (31, 96)])
+@pytest.fixture(scope="module")
+def avx2_build(kernel):
+    """What a machine with AVX2 and FMA but no AVX-512 (Zen 2/3, Haswell to Comet Lake)
+    compiles: built here where this machine's own build is the AVX-512 one."""
+    if not has("avx512f"):
+        pytest.skip("this machine's own build is that build")
+    return prefill_variant("-mno-avx512f")
+
+
+PROMPTS_AND_CHUNKS = [(1, 1), (15, 15), (16, 16), (17, 17), (33, 33), (256, 256), (300, 300),
+                      (5, 40), (64, 700), (31, 96)]
+
+
+@pytest.mark.parametrize("lq, length", PROMPTS_AND_CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_and_chunks_after_a_prefix(kernel, lq, length, dtype):
     if not kernel.supports(str(dtype).removeprefix("torch.")):
@@ -96,6 +108,20 @@ def test_sliding_windows(kernel, lq, length, window, dtype):
     if not kernel.supports(str(dtype).removeprefix("torch.")):
         pytest.skip(f"this machine's build has no {dtype} path")
     check(kernel, lq, length, 3, 64, dtype, window)
+
+
+def test_the_avx2_build_runs_float32_only_and_matches_the_reference(avx2_build):
+    assert avx2_build.supports("float32") and not avx2_build.supports("bfloat16")
+    for lq, length in PROMPTS_AND_CHUNKS:
+        check(avx2_build, lq, length, 3, 64, torch.float32)
+    for group in sorted(HEADS):
+        for dim in (64, 128):
+            check(avx2_build, 50, 83, group, dim, torch.float32)
+    for lq, length, window in [(17, 17, 5), (200, 500, 64), (64, 64, 1), (3, 100, 7)]:
+        check(avx2_build, lq, length, 3, 64, torch.float32, window)
+    q, k, v = make_case(4, 4, 3, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="does not support BFloat16"):
+        avx2_build.causal_prefill_attention(q, k, v, 0.125, torch.empty_like(q), 0)
 
 
 def test_bf16_is_built_exactly_where_the_cpu_has_it(kernel):

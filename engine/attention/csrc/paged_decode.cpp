@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-#include "vec_exp2.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <atomic>
@@ -358,45 +358,6 @@ struct Avx512Heads {
 
 // ---------------------------------------------------------------------------------------------
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-
-// 2^x for x <= 0 on 8 lanes: exp2_ps's polynomial, with 2^n put into the exponent bits (AVX2 has
-// no vscalefps). n is in [-126, 0], so n + 127 is a normal exponent.
-inline __m256 exp2_ps8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5469732170458883e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3400432653725147e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618025273084640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550327152013779e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022650718688965f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931471824645996f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// r[t] = sum of the 8 lanes of v[t]: two rounds of hadd and one cross-half add for 8 dot
-// products.
-inline __m256 reduce8(const __m256* v) {
-  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  // b0 = [v0..v3 low-half sums | v0..v3 high-half sums], b1 the same for v4..v7.
-  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-inline float hmax8(__m256 x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-
-inline float hsum8(__m256 x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
-}
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {  // widen: bf16 bits into the top half of each fp32 lane

@@ -13,7 +13,9 @@
 // vdpbf16ps reads (K: for each pair of head dims, 32 keys; V: for each pair of keys, every head
 // dim), so the inner loops are broadcast + vector dot products with every accumulator in a
 // register. Probabilities are rounded to bf16 before the V product in the bf16 model, as SDPA's
-// bf16 flash kernel does.
+// bf16 flash kernel does. On AVX2 (+FMA) machines without AVX-512 the fp32 model runs the same
+// tiles on 8-lane registers (scores through a small buffer: 16 registers do not hold a tile's);
+// bf16 there stays with SDPA (no bf16 arithmetic).
 //
 // Masked lanes use a large finite negative rather than -inf (the build uses -ffast-math), and
 // their probabilities are zeroed by mask, so a row whose keys so far were all masked adds nothing.
@@ -21,10 +23,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -34,11 +32,17 @@
 #include <string>
 #include <vector>
 
-#include "vec_exp2.h"
+#include "vec_math.h"
+
+#if defined(__AVX512F__)
+#define PREFILL_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_AVX2 1
+#endif
 
 namespace {
 
-#if defined(__AVX512F__)
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
 
 using bf16 = c10::BFloat16;
 constexpr int kQ = 16;     // query positions per work item
@@ -89,10 +93,30 @@ void pack_chunk(const Problem<T>& a, int64_t g, int64_t c) {
   }
 }
 
+// Rows of one work item: scores, then the running softmax; o holds the unnormalised outputs.
+struct RowState {
+  float* o;      // [rows][D]
+  float* m;      // [rows] running max (log2 domain)
+  float* l;      // [rows] running sum
+  float* alpha;  // [rows] this chunk's rescale of o
+  float* p;      // [rows][kKeys] probabilities (fp32 model)
+  bf16* pb;      // [rows][kKeys] probabilities (bf16 model)
+};
+
+#if defined(PREFILL_AVX512)
+
+// The scores of kRows rows for one chunk, in registers.
+struct Scores {
+  __m512 s[2 * kRows];
+};
+template <int D>
+constexpr int kValueRows = D <= 64 ? 4 : 2;  // rows per V pass: kValueRows * D / 16 accumulators
+
 // s[2r], s[2r + 1] = q_r . (keys 0-15, 16-31 of the chunk), for kRows rows.
 #if defined(__AVX512BF16__)
 template <int D>
-inline void chunk_scores(const bf16* const* q, const bf16* kp, __m512* s) {
+inline void chunk_scores(const bf16* const* q, const bf16* kp, Scores& sc) {
+  __m512* s = sc.s;
   for (int i = 0; i < 2 * kRows; ++i) s[i] = _mm512_setzero_ps();
   const uint32_t* words = reinterpret_cast<const uint32_t*>(kp);
   for (int p = 0; p < D / 2; ++p) {
@@ -111,7 +135,8 @@ inline void chunk_scores(const bf16* const* q, const bf16* kp, __m512* s) {
 #endif  // __AVX512BF16__
 
 template <int D>
-inline void chunk_scores(const float* const* q, const float* kp, __m512* s) {
+inline void chunk_scores(const float* const* q, const float* kp, Scores& sc) {
+  __m512* s = sc.s;
   for (int i = 0; i < 2 * kRows; ++i) s[i] = _mm512_setzero_ps();
   for (int p = 0; p < D; ++p) {
     const __m512 k0 = _mm512_loadu_ps(kp + p * kKeys);
@@ -124,20 +149,11 @@ inline void chunk_scores(const float* const* q, const float* kp, __m512* s) {
   }
 }
 
-// Rows of one work item: scores, then the running softmax; o holds the unnormalised outputs.
-struct RowState {
-  float* o;      // [rows][D]
-  float* m;      // [rows] running max (log2 domain)
-  float* l;      // [rows] running sum
-  float* alpha;  // [rows] this chunk's rescale of o
-  float* p;      // [rows][kKeys] probabilities (fp32 model)
-  bf16* pb;      // [rows][kKeys] probabilities (bf16 model)
-};
-
 // Scales, masks (keys past `limit[r]` or before `start[r]`) and folds one chunk's scores into
 // the running max / sum of kRows rows starting at `row`; writes their probabilities.
-inline void softmax_step(const __m512* s, int64_t row, int64_t first, const int64_t* limit,
+inline void softmax_step(const Scores& sc, int64_t row, int64_t first, const int64_t* limit,
                          const int64_t* start, float scale, RowState& st) {
+  const __m512* s = sc.s;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int r = 0; r < kRows; ++r) {
     const int64_t i = row + r;
@@ -225,6 +241,100 @@ inline void chunk_values(const float* vp, int64_t row, RowState& st) {
   store_rows<D, RB>(st, row, o);
 }
 
+#else  // PREFILL_AVX2: fp32 only, on 8 lanes
+
+// The scores of kRows rows for one chunk, in memory: a tile's 8 x 32 scores would take all 16
+// registers. They stay in L1 between the two passes.
+struct Scores {
+  alignas(32) float s[kRows * kKeys];  // [row][key]
+};
+template <int D>
+constexpr int kValueRows = 2;  // rows per V pass, over 32 columns at a time: 8 accumulators
+
+// s[r][j] = q_r . key j for kRows rows: 4 rows x 16 keys at a time (8 accumulators).
+template <int D>
+inline void chunk_scores(const float* const* q, const float* kp, Scores& sc) {
+  for (int r0 = 0; r0 < kRows; r0 += 4) {
+    for (int h = 0; h < kKeys; h += 16) {
+      __m256 acc[4][2];
+      for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+      for (int p = 0; p < D; ++p) {
+        const __m256 k0 = _mm256_loadu_ps(kp + p * kKeys + h);
+        const __m256 k1 = _mm256_loadu_ps(kp + p * kKeys + h + 8);
+        for (int r = 0; r < 4; ++r) {
+          const __m256 qb = _mm256_broadcast_ss(q[r0 + r] + p);
+          acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        _mm256_store_ps(sc.s + (r0 + r) * kKeys + h, acc[r][0]);
+        _mm256_store_ps(sc.s + (r0 + r) * kKeys + h + 8, acc[r][1]);
+      }
+    }
+  }
+}
+
+// softmax_step of the AVX-512 build, on four 8-lane quarters of each row's 32 scores.
+inline void softmax_step(const Scores& sc, int64_t row, int64_t first, const int64_t* limit,
+                         const int64_t* start, float scale, RowState& st) {
+  const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < kRows; ++r) {
+    const int64_t i = row + r;
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(limit[r]));
+    const __m256i lo = _mm256_set1_epi32(static_cast<int>(start[r]));
+    __m256 vis[4], x[4];
+    __m256 mx = _mm256_set1_ps(kNeg);
+    for (int h = 0; h < 4; ++h) {
+      const __m256i key =
+          _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(first + 8 * h)));
+      const __m256i out =
+          _mm256_or_si256(_mm256_cmpgt_epi32(key, hi), _mm256_cmpgt_epi32(lo, key));
+      vis[h] = _mm256_castsi256_ps(_mm256_xor_si256(out, _mm256_set1_epi32(-1)));
+      x[h] = _mm256_blendv_ps(_mm256_set1_ps(kNeg),
+                              _mm256_mul_ps(_mm256_load_ps(sc.s + r * kKeys + 8 * h),
+                                            _mm256_set1_ps(scale)), vis[h]);
+      mx = _mm256_max_ps(mx, x[h]);
+    }
+    const float m_new = std::max(st.m[i], hmax8(mx));
+    const float alpha = exp2_ps8(_mm256_set1_ps(st.m[i] - m_new))[0];
+    const __m256 top = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int h = 0; h < 4; ++h) {
+      const __m256 e = _mm256_and_ps(vis[h], exp2_ps8(_mm256_sub_ps(x[h], top)));
+      _mm256_storeu_ps(st.p + i * kKeys + 8 * h, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    st.l[i] = st.l[i] * alpha + hsum8(sum);
+    st.m[i] = m_new;
+    st.alpha[i] = alpha;
+  }
+}
+
+// o[r] = o[r] * alpha[r] + p[r] . V_chunk for RB rows starting at `row`, 32 columns at a time.
+template <int D, int RB>
+inline void chunk_values(const float* vp, int64_t row, RowState& st) {
+  for (int c0 = 0; c0 < D; c0 += 32) {
+    __m256 o[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < 4; ++c)
+        o[r][c] = _mm256_mul_ps(_mm256_loadu_ps(st.o + (row + r) * D + c0 + 8 * c),
+                                _mm256_set1_ps(st.alpha[row + r]));
+    for (int j = 0; j < kKeys; ++j) {
+      __m256 v[4];
+      for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(vp + j * D + c0 + 8 * c);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 pj = _mm256_broadcast_ss(st.p + (row + r) * kKeys + j);
+        for (int c = 0; c < 4; ++c) o[r][c] = _mm256_fmadd_ps(pj, v[c], o[r][c]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(st.o + (row + r) * D + c0 + 8 * c, o[r][c]);
+  }
+}
+
+#endif  // PREFILL_AVX512 / PREFILL_AVX2
+
 // Per-thread buffers for one work item of up to kQ * group rows (rounded up to kRows).
 struct Buffers {
   std::vector<float> o, m, l, alpha, p;
@@ -239,7 +349,7 @@ struct Buffers {
 // Work item (g, t): KV head g's query heads at query positions t*kQ .. t*kQ + kQ - 1.
 template <typename T, int D>
 void run_item(const Problem<T>& a, int64_t g, int64_t t, Buffers& b) {
-  constexpr int RB = D <= 64 ? 4 : 2;  // rows per V pass: RB * D / 16 accumulators
+  constexpr int RB = kValueRows<D>;
   const int64_t offset = a.len - a.lq, q0 = t * kQ, nq = std::min<int64_t>(kQ, a.lq - q0);
   const int64_t rows = nq * a.group, padded = (rows + kRows - 1) / kRows * kRows;
   for (int64_t r = 0; r < padded; ++r) {  // row r = query position r / group, head r % group;
@@ -257,7 +367,7 @@ void run_item(const Problem<T>& a, int64_t g, int64_t t, Buffers& b) {
   const int64_t last = offset + q0 + nq - 1;
   const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, offset + q0 - a.window + 1) : 0;
   const T* const* q = reinterpret_cast<const T* const*>(b.q.data());
-  __m512 s[2 * kRows];
+  Scores s;
   for (int64_t c = first_key / kKeys; c <= last / kKeys; ++c) {
     const int64_t base = (g * a.chunks + c) * kKeys * D;
     for (int64_t row = 0; row < padded; row += kRows) {
@@ -320,13 +430,13 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   }
 }
 
-#endif  // __AVX512F__
+#endif  // PREFILL_AVX512 || PREFILL_AVX2
 
 bool supports_dtype(const std::string& dtype) {
 #if defined(__AVX512BF16__)
   if (dtype == "bfloat16") return true;
 #endif
-#if defined(__AVX512F__)
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
   if (dtype == "float32") return true;
 #endif
   return false;
@@ -338,7 +448,7 @@ bool supports_dtype(const std::string& dtype) {
 // head_dim] (len >= lq); out like q, written in place. Rows may be strided (head_dim and the
 // heads of one position contiguous). Query i (at position len - lq + i) attends keys up to its
 // own position, and with window > 0 only the last `window` of them. head_dim 64 or 128; float32
-// on AVX-512, bfloat16 with AVX512-BF16 (`supports` says which this build has).
+// on AVX-512 or AVX2 + FMA, bfloat16 with AVX512-BF16 (`supports` says which this build has).
 void causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               double scale, at::Tensor out, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
@@ -358,7 +468,7 @@ void causal_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at
                              : q.scalar_type() == at::kBFloat16 ? "bfloat16" : "other"),
               "this build of causal_prefill_attention does not support ", q.scalar_type());
   if (q.size(0) == 0) return;
-#if defined(__AVX512F__)
+#if defined(PREFILL_AVX512) || defined(PREFILL_AVX2)
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16) return launch<bf16>(q, k, v, scale, out, window);
 #endif
