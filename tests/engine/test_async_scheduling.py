@@ -81,7 +81,7 @@ def test_async_engine_under_preemption_prefix_hits_and_aborts(tiny_llama_dir, wo
     prompts = [shared + [11], shared + [12], workload_prompts[5][:30], shared + [11, 13],
                workload_prompts[6][:20]]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
-    engines = pair(tiny_llama_dir, cache=CacheConfig(num_blocks=8),  # 2 at a time: later
+    engines = pair(tiny_llama_dir, cache=CacheConfig(num_blocks=7),  # 2 at a time: later
                    scheduler=SchedulerConfig(max_num_seqs=2))  # prompts hit earlier blocks
     sync_out = run(engines[False], prompts, params, abort_after={"0": 4})
     async_out = run(engines[True], prompts, params, abort_after={"0": 4})
