@@ -4,7 +4,8 @@ Each step assigns a number of tokens to each request under `max_num_batched_toke
 `max_num_seqs`: running requests first (decodes and unfinished prefill chunks), then chunks of
 waiting prompts fill what is left. Prefill chunks, prefix-cache hits and KV that arrives from
 another worker are all jumps of `num_computed_tokens`. The order requests are served in is
-engine.queue_order's (`SchedulerConfig.queue_policy`)."""
+engine.queue_order's (`SchedulerConfig.queue_policy`); a waiting prompt whose prefix a running
+request is still computing waits for those blocks to be cached (engine.prefix_wait)."""
 
 from __future__ import annotations
 
