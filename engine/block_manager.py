@@ -105,17 +105,25 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         usable = (request.num_tokens - 1) // self.block_size
+        prompt_keys = self.prompt_keys(request)  # hashed once; blocks past the prompt here
         hits: list[int] = []
         parent: int | None = None
         for i in range(usable):
             tokens = tuple(request.tokens_in(i * self.block_size, (i + 1) * self.block_size))
-            key = chain_hash(parent, tokens)
+            key = prompt_keys[i] if i < len(prompt_keys) else chain_hash(parent, tokens)
             block_id = self._by_hash.get(key)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
             parent = key
         return hits
+
+    def prompt_keys(self, request: Request) -> list[int]:
+        """The keys of every full block of the request's prompt, computed once per request (a
+        waiting prompt is looked up at every step until it is admitted)."""
+        if request.prompt_block_keys is None:
+            request.prompt_block_keys = prefix_hashes(request.prompt_token_ids, self.block_size)
+        return request.prompt_block_keys
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix lookup (for the hit-rate metric)."""

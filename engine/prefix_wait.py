@@ -18,19 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_manager import BlockManager, prefix_hashes
+from engine.block_manager import BlockManager
 from engine.request import Request
 
 # A shared stretch shorter than this is computed again rather than waited for: waiting can
 # cost the prompt a step, which a couple of blocks' compute does not repay.
 MIN_SHARED_TOKENS = 32
-
-
-def prompt_block_keys(request: Request, block_size: int) -> list[int]:
-    """The prefix-cache keys of every full block of the request's prompt (computed once)."""
-    if request.prompt_block_keys is None:
-        request.prompt_block_keys = prefix_hashes(request.prompt_token_ids, block_size)
-    return request.prompt_block_keys
 
 
 class PrefixesInFlight:
@@ -39,6 +32,7 @@ class PrefixesInFlight:
     requests admitted during the pass join `running` and are taken in when next asked."""
 
     def __init__(self, block_manager: BlockManager, running: Sequence[Request]):
+        self._block_manager = block_manager
         self._block_size = block_manager.block_size
         self._enabled = block_manager.enable_prefix_caching
         self._running = running
@@ -51,7 +45,7 @@ class PrefixesInFlight:
         usable = (request.num_tokens - 1) // self._block_size  # as find_cached_prefix
         if not self._enabled or num_hit_blocks >= usable:
             return False
-        keys = prompt_block_keys(request, self._block_size)[num_hit_blocks:usable]
+        keys = self._block_manager.prompt_keys(request)[num_hit_blocks:usable]
         in_flight = self._in_flight()
         shared = 0
         for key in keys:  # chained keys: the shared blocks are consecutive from the first miss
@@ -64,6 +58,6 @@ class PrefixesInFlight:
         for request in self._running[self._seen:]:
             published = len(request._block_hashes)
             if published < request.num_prompt_tokens // self._block_size:
-                self._keys.update(prompt_block_keys(request, self._block_size)[published:])
+                self._keys.update(self._block_manager.prompt_keys(request)[published:])
         self._seen = len(self._running)
         return self._keys

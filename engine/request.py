@@ -242,7 +242,7 @@ class Request:
     output_text: str = ""
     num_emitted_chars: int = 0
     _block_hashes: list[int] = field(default_factory=list)
-    # The prefix-cache keys of the prompt's full blocks, once asked for (engine.prefix_wait)
+    # The prefix-cache keys of the prompt's full blocks, once asked for (BlockManager.prompt_keys)
     prompt_block_keys: list[int] | None = None
 
     @property
