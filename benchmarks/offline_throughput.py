@@ -2,10 +2,14 @@
 (opt-in) and the roofline.
 
     .venv/bin/python -m benchmarks.offline_throughput [--workload PATH] [--dtypes float32,bfloat16]
-        [--runs 3] [--systems ours,hf_static,hf_cb,vllm_cpu] [--out SECTION.md] [--plot PNG]
+        [--runs 3] [--rounds 1] [--systems ours,hf_static,hf_cb,vllm_cpu] [--out SECTION.md]
+        [--plot PNG]
 
 Every system × dtype (and the matmul-peak measurement) runs in its own child process, one at a
 time, each waited on with a timeout (a timed-out child is killed with everything it started).
+With `--rounds R` the systems take turns: R rounds of one child per system, so a host that
+speeds up or slows down during the invocation (10-20% seen between invocations on these VMs)
+weighs on every system alike; a system's figure is the median of its runs over all rounds.
 vllm_cpu runs under .venv-vllm's python: `bash benchmarks/vllm_cpu_setup.sh` first.
 """
 
@@ -16,6 +20,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtypes", type=lambda v: _csv(v, DTYPES), default=list(DTYPES))
     p.add_argument("--systems", type=lambda v: _csv(v, SYSTEMS), default=list(DEFAULT_SYSTEMS))
     p.add_argument("--runs", type=int, default=3, help="timed runs of ours and vllm_cpu (>= 1)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="children per system, taking turns with the other systems (>= 1)")
     p.add_argument("--peer-runs", type=int, default=1, help="timed runs of each transformers peer")
     p.add_argument("--out", help="write the markdown section here (default: print only)")
     p.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "offline_throughput.png"))
@@ -59,8 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-kv-cache-gib", type=int, default=DEFAULT_KV_CACHE_GIB,
                    help="vllm_cpu's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)")
     args = p.parse_args(argv)
-    if args.runs < 1 or args.peer_runs < 1:
-        p.error("--runs and --peer-runs must be >= 1")
+    if args.runs < 1 or args.peer_runs < 1 or args.rounds < 1:
+        p.error("--runs, --rounds and --peer-runs must be >= 1")
     if "vllm_cpu" in args.systems:
         try:  # before hours of other children, not after
             vllm_python()
@@ -87,12 +94,14 @@ def child_command(system: str, dtype: str, args: argparse.Namespace, result_path
     return cmd, None
 
 
-def run_child(system: str, dtype: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_child(system: str, dtype: str, args: argparse.Namespace, workdir: Path,
+              round_no: int = 0) -> dict[str, Any]:
     """Run one child to completion (or kill it at the timeout) and read its JSON result."""
     import json
 
-    result_path = workdir / f"{system}-{dtype}.json"
-    log_path = workdir / f"{system}-{dtype}.log"
+    name = f"{system}-{dtype}" + (f"-round{round_no}" if round_no else "")
+    result_path = workdir / f"{name}.json"
+    log_path = workdir / f"{name}.log"
     cmd, env = child_command(system, dtype, args, result_path)
     print(f"[offline_throughput] {system} {dtype} (log: {log_path})", file=sys.stderr, flush=True)
     with log_path.open("w") as log:
@@ -148,10 +157,32 @@ def run_all(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], dict[s
     peaks: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes:
         peaks[dtype] = run_child("roofline", dtype, args, workdir)
-        for system in args.systems:
-            results.append(run_child(system, dtype, args, workdir))
-            _print_progress(results[-1])
+        rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+        for round_no in range(1, args.rounds + 1):
+            for system in args.systems:
+                rounds[system].append(run_child(system, dtype, args, workdir,
+                                                round_no if args.rounds > 1 else 0))
+                _print_progress(rounds[system][-1])
+        results.extend(merge_rounds(children) for children in rounds.values())
     return results, peaks
+
+
+def merge_rounds(children: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's result from its children in every round: all their runs, the median over
+    them, each round's own median, and the latencies and peak RSS of the child nearest the median.
+    A failed child fails the system's result."""
+    failed = [c for c in children if "error" in c]
+    if failed or len(children) == 1:
+        return failed[0] if failed else children[0]
+    runs = [run for child in children for run in child["runs"]]
+    median = statistics.median(run["tok_s"] for run in runs)
+    nearest = min(children, key=lambda c: abs(c["tok_s_median"] - median))
+    merged = {**nearest, "runs": runs, "tok_s_median": median,
+              "round_medians": [c["tok_s_median"] for c in children],
+              "peak_rss_mb": max(c.get("peak_rss_mb") or 0 for c in children) or None}
+    if all("length_mismatches" in c for c in children):
+        merged["length_mismatches"] = sum(c["length_mismatches"] for c in children)
+    return merged
 
 
 def _print_progress(result: dict[str, Any]) -> None:

@@ -105,6 +105,9 @@ def _notes(results: list[Result]) -> list[str]:
             if key in r:
                 bits.append(f"{key}={r[key]:.1f}" if isinstance(r[key], float)
                             else f"{key}={r[key]}")
+        if r.get("round_medians"):
+            bits.append("tok/s median per round (systems taking turns)="
+                        + ", ".join(f"{m:.2f}" for m in r["round_medians"]))
         if r.get("runs") and "cached_prompt_tokens" in r["runs"][0]:
             bits.append("prefix-cache hit tokens per run="
                         + ",".join(str(run["cached_prompt_tokens"]) for run in r["runs"]))

@@ -164,6 +164,44 @@ def test_vllm_row_in_the_report():
     assert "| vllm_cpu | float32 |" in markdown_table(rows)
 
 
+def test_rounds_take_turns_and_merge_every_run(monkeypatch, tmp_path):
+    """With --rounds the systems alternate child by child, and a system's figure is the median
+    of its runs over all rounds, with each round's median kept for the notes."""
+    order: list[tuple[str, int]] = []
+    rates = {("ours", 1): [10.0, 12.0], ("vllm_cpu", 1): [8.0, 8.0],
+             ("ours", 2): [14.0, 16.0], ("vllm_cpu", 2): [9.0, 11.0]}
+
+    def fake_child(system, dtype, args, workdir, round_no=0):
+        if system == "roofline":
+            return {"system": system, "dtype": dtype}
+        order.append((system, round_no))
+        runs = [{"tok_s": r, "length_mismatches": 0} for r in rates[(system, round_no)]]
+        return {"system": system, "dtype": dtype, "runs": runs, "peak_rss_mb": 100.0 * round_no,
+                "tok_s_median": sum(rates[(system, round_no)]) / 2, "length_mismatches": 0}
+
+    monkeypatch.setattr(offline_throughput, "run_child", fake_child)
+    args = SimpleNamespace(dtypes=["float32"], systems=["ours", "vllm_cpu"], rounds=2)
+    results, _ = offline_throughput.run_all(args, tmp_path)
+    assert order == [("ours", 1), ("vllm_cpu", 1), ("ours", 2), ("vllm_cpu", 2)]
+    ours, peer = results
+    assert ours["tok_s_median"] == 13.0 and ours["round_medians"] == [11.0, 15.0]
+    assert len(ours["runs"]) == 4 and ours["peak_rss_mb"] == 200.0
+    assert peer["tok_s_median"] == 8.5
+    assert table_rows(results, {}, {"output_tokens": 1, "total": 1})[1][4] == "1.53×"
+
+
+def test_a_failed_round_fails_the_systems_result():
+    ok = {"system": "ours", "dtype": "float32", "runs": [{"tok_s": 1.0}], "tok_s_median": 1.0}
+    failed = {"system": "ours", "dtype": "float32", "error": "timed out after 5s"}
+    assert offline_throughput.merge_rounds([ok, failed]) == failed
+    assert offline_throughput.merge_rounds([ok]) == ok
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        offline_throughput.parse_args(["--rounds", "0"])
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
