@@ -149,42 +149,85 @@ inline void chunk_scores(const float* const* q, const float* kp, Scores& sc) {
   }
 }
 
-// Scales, masks (keys past `limit[r]` or before `start[r]`) and folds one chunk's scores into
-// the running max / sum of kRows rows starting at `row`; writes their probabilities.
+// Lane r (0..7) of the result = op over the 16 lanes of v[r]: a transposing tree (the decode
+// kernel's reduce16, for 8 rows) instead of 8 horizontal reductions, each a chain of dependent
+// shuffles.
+template <class Op>
+inline __m512 reduce_rows8(const __m512* v, Op op) {
+  __m512 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // 128-bit chunks: v2i (c0 c2, c1 c3), v2i+1 (c0 c2, c1 c3)
+    a[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)  // chunk k of b[j] now holds 4 partials of v[4j + k]
+    b[j] = op(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x88),
+              _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xDD));
+  const __m512 c = op(_mm512_shuffle_ps(b[0], b[1], 0x44), _mm512_shuffle_ps(b[0], b[1], 0xEE));
+  const __m512 d = op(c, _mm512_shuffle_ps(c, c, 0xB1));
+  // Chunk k of d: lanes 0, 1 = v[k]; lanes 2, 3 = v[4 + k].
+  const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// The chunk's scores of kRows rows with the keys a row does not see (past `limit[r]` or before
+// `start[r]`) masked to kNeg, and those keys in vis. Most chunks are seen whole by every row:
+// only the diagonal and a window's edge need masks.
+inline void visible_scores(const Scores& sc, int64_t first, const int64_t* limit,
+                           const int64_t* start, __m512* x, __mmask16* vis) {
+  bool whole = true;
+  for (int r = 0; r < kRows; ++r)
+    whole = whole && first + kKeys - 1 <= limit[r] && first >= start[r];
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int i = 0; i < 2 * kRows; ++i) {
+    x[i] = sc.s[i];
+    vis[i] = 0xFFFF;
+    if (whole) continue;
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(
+                                                   static_cast<int>(first + 16 * (i % 2))));
+    vis[i] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[i / 2]))) &
+             _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(start[i / 2])));
+    x[i] = _mm512_mask_mov_ps(_mm512_set1_ps(kNeg), vis[i], x[i]);
+  }
+}
+
+// Folds one chunk's scores into the running max / sum of kRows rows starting at `row` and writes
+// their probabilities. The rows' maxima, rescale factors and sums are taken 8 rows at a time
+// across registers (1.24-1.35x the kernel's speed over one row at a time, 144-512 queries, Zen
+// 4); the scale is applied inside the exponent's FMA (scale > 0 keeps the max where it is).
 inline void softmax_step(const Scores& sc, int64_t row, int64_t first, const int64_t* limit,
                          const int64_t* start, float scale, RowState& st) {
-  const __m512* s = sc.s;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  static_assert(kRows == 8, "reduce_rows8 takes 8 rows");
+  __m512 x[2 * kRows], part[kRows];
+  __mmask16 vis[2 * kRows];
+  visible_scores(sc, first, limit, start, x, vis);
+  for (int r = 0; r < kRows; ++r) part[r] = _mm512_max_ps(x[2 * r], x[2 * r + 1]);
+  const __m512 mx = reduce_rows8(part, [](__m512 u, __m512 w) { return _mm512_max_ps(u, w); });
+  const __mmask16 eight = 0xFF;
+  const __m512 sl2 = _mm512_set1_ps(scale), m_old = _mm512_maskz_loadu_ps(eight, st.m + row);
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_mul_ps(mx, sl2));
+  const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, m_new));
+  _mm512_mask_storeu_ps(st.m + row, eight, m_new);
+  _mm512_mask_storeu_ps(st.alpha + row, eight, alpha);
+  alignas(64) float top[16];
+  _mm512_store_ps(top, m_new);
   for (int r = 0; r < kRows; ++r) {
-    const int64_t i = row + r;
-    __mmask16 vis[2];
-    __m512 x[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(
-                                                     static_cast<int>(first + 16 * h)));
-      vis[h] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(limit[r]))) &
-               _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(start[r])));
-      x[h] = _mm512_mask_mul_ps(_mm512_set1_ps(kNeg), vis[h], s[2 * r + h],
-                                _mm512_set1_ps(scale));
-    }
-    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x[0], x[1]));
-    const float m_new = std::max(st.m[i], mx);
-    const float alpha = exp2_ps(_mm512_set1_ps(st.m[i] - m_new))[0];
-    const __m512 top = _mm512_set1_ps(m_new);
-    const __m512 e0 = _mm512_maskz_mov_ps(vis[0], exp2_ps(_mm512_sub_ps(x[0], top)));
-    const __m512 e1 = _mm512_maskz_mov_ps(vis[1], exp2_ps(_mm512_sub_ps(x[1], top)));
-    st.l[i] = st.l[i] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-    st.m[i] = m_new;
-    st.alpha[i] = alpha;
+    const __m512 shift = _mm512_set1_ps(-top[r]);
+    const __m512 e0 = _mm512_maskz_mov_ps(vis[2 * r],
+                                          exp2_ps(_mm512_fmadd_ps(x[2 * r], sl2, shift)));
+    const __m512 e1 = _mm512_maskz_mov_ps(vis[2 * r + 1],
+                                          exp2_ps(_mm512_fmadd_ps(x[2 * r + 1], sl2, shift)));
+    part[r] = _mm512_add_ps(e0, e1);
 #if defined(__AVX512BF16__)
     if (st.pb != nullptr) {
-      _mm512_storeu_si512(st.pb + i * kKeys, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      _mm512_storeu_si512(st.pb + (row + r) * kKeys, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
       continue;
     }
 #endif
-    _mm512_storeu_ps(st.p + i * kKeys, e0);
-    _mm512_storeu_ps(st.p + i * kKeys + 16, e1);
+    _mm512_storeu_ps(st.p + (row + r) * kKeys, e0);
+    _mm512_storeu_ps(st.p + (row + r) * kKeys + 16, e1);
   }
+  const __m512 sums = reduce_rows8(part, [](__m512 u, __m512 w) { return _mm512_add_ps(u, w); });
+  const __m512 l_old = _mm512_maskz_loadu_ps(eight, st.l + row);
+  _mm512_mask_storeu_ps(st.l + row, eight, _mm512_fmadd_ps(l_old, alpha, sums));
 }
 
 // The unnormalised outputs of RB rows into registers, rescaled by this chunk's alpha; and back.
