@@ -318,40 +318,75 @@ inline void chunk_scores(const float* const* q, const float* kp, Scores& sc) {
   }
 }
 
-// softmax_step of the AVX-512 build, on four 8-lane quarters of each row's 32 scores.
-inline void softmax_step(const Scores& sc, int64_t row, int64_t first, const int64_t* limit,
-                         const int64_t* start, float scale, RowState& st) {
+// Lane r of the result = op over the 8 lanes of v[r]: reduce_rows8 of the AVX-512 build on
+// 8-lane registers (in-half shuffles, then the two halves crossed once).
+template <class Op>
+inline __m256 reduce_rows8(const __m256* v, Op op) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)  // each half: v2i (0+2, 1+3), v2i+1 (0+2, 1+3)
+    a[i] = op(_mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44),
+              _mm256_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)  // each half of b[j]: v4j .. v4j+3, over that half
+    b[j] = op(_mm256_shuffle_ps(a[2 * j], a[2 * j + 1], 0x88),
+              _mm256_shuffle_ps(a[2 * j], a[2 * j + 1], 0xDD));
+  return op(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+// The chunk's scores of kRows rows with the keys a row does not see (past `limit[r]` or before
+// `start[r]`) set to kNeg in place, and false in vis; nothing to do for a chunk every row sees
+// whole (all but the diagonal and a window's edge), which returns true.
+inline bool visible_scores(Scores& sc, int64_t first, const int64_t* limit, const int64_t* start,
+                           __m256* vis) {
+  bool whole = true;
+  for (int r = 0; r < kRows; ++r)
+    whole = whole && first + kKeys - 1 <= limit[r] && first >= start[r];
+  if (whole) return true;
   const __m256i lane = _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0);
-  for (int r = 0; r < kRows; ++r) {
-    const int64_t i = row + r;
-    const __m256i hi = _mm256_set1_epi32(static_cast<int>(limit[r]));
-    const __m256i lo = _mm256_set1_epi32(static_cast<int>(start[r]));
-    __m256 vis[4], x[4];
-    __m256 mx = _mm256_set1_ps(kNeg);
-    for (int h = 0; h < 4; ++h) {
-      const __m256i key =
-          _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int>(first + 8 * h)));
-      const __m256i out =
-          _mm256_or_si256(_mm256_cmpgt_epi32(key, hi), _mm256_cmpgt_epi32(lo, key));
-      vis[h] = _mm256_castsi256_ps(_mm256_xor_si256(out, _mm256_set1_epi32(-1)));
-      x[h] = _mm256_blendv_ps(_mm256_set1_ps(kNeg),
-                              _mm256_mul_ps(_mm256_load_ps(sc.s + r * kKeys + 8 * h),
-                                            _mm256_set1_ps(scale)), vis[h]);
-      mx = _mm256_max_ps(mx, x[h]);
-    }
-    const float m_new = std::max(st.m[i], hmax8(mx));
-    const float alpha = exp2_ps8(_mm256_set1_ps(st.m[i] - m_new))[0];
-    const __m256 top = _mm256_set1_ps(m_new);
-    __m256 sum = _mm256_setzero_ps();
-    for (int h = 0; h < 4; ++h) {
-      const __m256 e = _mm256_and_ps(vis[h], exp2_ps8(_mm256_sub_ps(x[h], top)));
-      _mm256_storeu_ps(st.p + i * kKeys + 8 * h, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    st.l[i] = st.l[i] * alpha + hsum8(sum);
-    st.m[i] = m_new;
-    st.alpha[i] = alpha;
+  for (int i = 0; i < 4 * kRows; ++i) {
+    const int r = i / 4;
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(
+                                                   static_cast<int>(first + 8 * (i % 4))));
+    const __m256i out = _mm256_or_si256(
+        _mm256_cmpgt_epi32(key, _mm256_set1_epi32(static_cast<int>(limit[r]))),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(start[r])), key));
+    vis[i] = _mm256_castsi256_ps(_mm256_xor_si256(out, _mm256_set1_epi32(-1)));
+    _mm256_store_ps(sc.s + 8 * i, _mm256_blendv_ps(_mm256_set1_ps(kNeg),
+                                                   _mm256_load_ps(sc.s + 8 * i), vis[i]));
   }
+  return false;
+}
+
+// softmax_step of the AVX-512 build on 8-lane registers: four quarters of each row's 32 scores,
+// the 8 rows' maxima, rescale factors and sums across registers.
+inline void softmax_step(Scores& sc, int64_t row, int64_t first, const int64_t* limit,
+                         const int64_t* start, float scale, RowState& st) {
+  static_assert(kRows == 8, "reduce_rows8 takes 8 rows");
+  __m256 vis[4 * kRows], part[kRows];
+  const bool whole = visible_scores(sc, first, limit, start, vis);
+  for (int r = 0; r < kRows; ++r) {
+    const float* x = sc.s + r * kKeys;
+    part[r] = _mm256_max_ps(_mm256_max_ps(_mm256_load_ps(x), _mm256_load_ps(x + 8)),
+                            _mm256_max_ps(_mm256_load_ps(x + 16), _mm256_load_ps(x + 24)));
+  }
+  const __m256 mx = reduce_rows8(part, [](__m256 u, __m256 w) { return _mm256_max_ps(u, w); });
+  const __m256 sl2 = _mm256_set1_ps(scale), m_old = _mm256_loadu_ps(st.m + row);
+  const __m256 m_new = _mm256_max_ps(m_old, _mm256_mul_ps(mx, sl2));
+  const __m256 alpha = exp2_ps8(_mm256_sub_ps(m_old, m_new));
+  _mm256_storeu_ps(st.m + row, m_new);
+  _mm256_storeu_ps(st.alpha + row, alpha);
+  alignas(32) float top[8];
+  _mm256_store_ps(top, m_new);
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 shift = _mm256_set1_ps(-top[r]);
+    part[r] = _mm256_setzero_ps();
+    for (int h = 0; h < 4; ++h) {
+      __m256 e = exp2_ps8(_mm256_fmadd_ps(_mm256_load_ps(sc.s + r * kKeys + 8 * h), sl2, shift));
+      if (!whole) e = _mm256_and_ps(e, vis[4 * r + h]);  // exact zeros for unseen keys
+      _mm256_storeu_ps(st.p + (row + r) * kKeys + 8 * h, e);
+      part[r] = _mm256_add_ps(part[r], e);
+    }
+  }
+  _mm256_storeu_ps(st.l + row, _mm256_fmadd_ps(_mm256_loadu_ps(st.l + row), alpha, reduce8(part)));
 }
 
 // o[r] = o[r] * alpha[r] + p[r] . V_chunk for RB rows starting at `row`, 32 columns at a time.
