@@ -191,8 +191,9 @@ inline void visible_scores(const Scores& sc, int64_t first, const int64_t* limit
 
 // Folds one chunk's scores into the running max / sum of kRows rows starting at `row` and writes
 // their probabilities. The rows' maxima, rescale factors and sums are taken 8 rows at a time
-// across registers (1.24-1.35x the kernel's speed over one row at a time, 144-512 queries, Zen
-// 4); the scale is applied inside the exponent's FMA (scale > 0 keeps the max where it is).
+// across registers: the kernel ran 1.25-1.29x (fp32) and 1.15-1.25x (bf16) the speed of one row
+// at a time, 128-512 queries (Zen 4; benchmarks.prefill_attention_forms --against 4a6ab53). The
+// scale is applied inside the exponent's FMA (scale > 0 keeps the max where it is).
 inline void softmax_step(const Scores& sc, int64_t row, int64_t first, const int64_t* limit,
                          const int64_t* start, float scale, RowState& st) {
   static_assert(kRows == 8, "reduce_rows8 takes 8 rows");
