@@ -102,6 +102,12 @@ def _moved(cluster, cause: str, outcome: str = "moved") -> float:
                             f"{{cause={cause},outcome={outcome}}}")
 
 
+def _blocks_used(cluster, worker_id: str) -> float:
+    """KV blocks held on a worker, by its own /metrics."""
+    status = worker_status(cluster, worker_id)
+    return _counter(status.metrics_address, "pdserve_worker_kv_blocks_used{role=decode}")
+
+
 def _streams(cluster, requests: list[pb.GenerateRequest]) -> tuple[list[Future], list[int]]:
     """Stream each request in the background; the futures of (tokens, last message), and a
     list of token counts (one per stream) the threads keep up to date."""
@@ -187,8 +193,10 @@ def _kill_mid_move(cluster, reference, monkeypatch, victim_role: str) -> None:
     wait_until(lambda: counts[0] >= 5, 120.0, "the stream under way")
     _admin(cluster, target, undo=True)
     process = cluster.signal(source, signal.SIGTERM)
-    wait_until(lambda: worker_status(cluster, target).free_blocks
-               < worker_status(cluster, target).total_blocks, 10.0, "the target's reservation")
+    # The target's own gauge, not the router's status: the router counts the blocks it placed
+    # there before the Reserve call reaches the target, and a kill before the Reserve arrives
+    # makes the router try elsewhere instead of failing the move.
+    wait_until(lambda: _blocks_used(cluster, target) > 0, 10.0, "the target's reservation")
     killed = target if victim_role == "target" else source
     cluster.signal(killed, signal.SIGKILL)
     _admin(cluster, spare, undo=True)  # somewhere to recompute besides the target
