@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -197,6 +198,9 @@ def _kill_mid_move(cluster, reference, monkeypatch, victim_role: str) -> None:
     # there before the Reserve call reaches the target, and a kill before the Reserve arrives
     # makes the router try elsewhere instead of failing the move.
     wait_until(lambda: _blocks_used(cluster, target) > 0, 10.0, "the target's reservation")
+    # The Reserve's reply may still be on its way: kill once the router surely sent MigrateOut,
+    # well inside the source's 4 s pause (a Reserve failing instead would move it elsewhere).
+    time.sleep(1.0)
     killed = target if victim_role == "target" else source
     cluster.signal(killed, signal.SIGKILL)
     _admin(cluster, spare, undo=True)  # somewhere to recompute besides the target
