@@ -15,6 +15,7 @@ import torch
 from engine.device_tensors import to_device
 from engine.logits_processing import RowHistory, process_logits
 from engine.request import SamplingParams
+from engine.row_argmax import row_argmax
 from engine.structured_output import apply_bitmask
 from engine.token_counts import TokenCounts
 
@@ -81,7 +82,7 @@ class Sampler:
         if batch.bitmask is not None:
             processed = processed.clone() if processed is logits else processed
             apply_bitmask(processed, batch.bitmask)
-        greedy_tokens = processed.argmax(dim=-1)
+        greedy_tokens = row_argmax(processed)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
@@ -117,7 +118,7 @@ class Sampler:
                 gen.manual_seed(seed_for_step(p.seed,
                                               batch.output_indices[row] + p.continued_tokens))
                 noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = row_argmax(probs / noise)
         greedy = to_device([p.greedy for p in params], torch.bool, device)
         return torch.where(greedy, greedy_tokens, sampled)
 
