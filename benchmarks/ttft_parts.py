@@ -1,9 +1,11 @@
 """Where a served request's TTFT goes, from the server's own account: Poisson arrivals of random
 token-id prompts through a running cluster's OpenAI API (streamed `/v1/completions`), and per
 request the client's TTFT beside the `timings` of its last chunk — router queue, prefill queue
-(the engine's waiting queue), prefill compute (first scheduled step to first token), KV transfer
-and decode admission (disaggregated only), and the rest of the router's TTFT: on a colocated
-worker mostly the wait for the step in flight, since a request joins the engine between steps.
+(the engine's waiting queue), prefill compute (first scheduled step to first token) and KV
+transfer (disaggregated only), and the rest of the router's TTFT: on a colocated worker mostly
+the wait for the step in flight, since a request joins the engine between steps. Decode admission
+(disaggregated only) is shown beside them but lies after the TTFT: the router streams the prefill
+worker's first token before it calls Decode, so admission delays the second token.
 
     .venv/bin/python -m benchmarks.ttft_parts --address 127.0.0.1:8000 [--rate 4] [--requests 60]
         [--prompt-tokens 256] [--max-tokens 128] [--seed 7] [--json OUT]
@@ -23,7 +25,8 @@ import threading
 import time
 from pathlib import Path
 
-PHASES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admission")
+IN_TTFT = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer")
+PHASES = (*IN_TTFT, "decode_admission")  # admission: after the first token (module docstring)
 PARTS = ("client_ttft", "router_ttft", *PHASES, "rest")
 
 
@@ -51,7 +54,7 @@ def stream_one(address: str, model: str, prompt: list[int], max_tokens: int) -> 
     parts = {phase: t.get(f"{phase}_s", 0.0) for phase in PHASES}
     ttft = t.get("ttft_s", 0.0)
     return {"client_ttft": (first or 0.0) * 1e3, "router_ttft": ttft, **parts,
-            "rest": ttft - sum(parts.values())}
+            "rest": ttft - sum(parts[phase] for phase in IN_TTFT)}
 
 
 def model_name(address: str) -> str:

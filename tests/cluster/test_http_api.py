@@ -218,8 +218,10 @@ def test_models_retrieve_developer_and_tool_roles_and_usage_on_every_chunk(clien
 
 def test_the_ttft_parts_benchmark_adds_up(http_address):
     """benchmarks.ttft_parts against the shared cluster: every request served, its phases read
-    from the last chunk's timings (remote prefill here: KV transfer too) and lying within the
-    router's TTFT, which lies within the client's."""
+    from the last chunk's timings (remote prefill here: KV transfer too) and those before the
+    first token lying within the router's TTFT, which lies within the client's. Decode
+    admission follows the first token: counting it in made `rest` dip below zero (a suite run saw
+    -1.08 ms)."""
     import argparse
 
     from benchmarks import ttft_parts
@@ -230,5 +232,6 @@ def test_the_ttft_parts_benchmark_adds_up(http_address):
     assert len(results) == 2 and not [r for r in results if "error" in r]
     for r in results:
         assert r["prefill_compute"] > 0 and r["kv_transfer"] > 0 and r["client_ttft"] > 0
-        assert r["rest"] > -1.0  # the phases lie inside the TTFT (1 ms of clock rounding)
+        assert r["decode_admission"] >= 0.0
+        assert r["rest"] > -1.0  # the phases lie inside the TTFT (1 ms of slack)
         assert r["router_ttft"] <= r["client_ttft"] + 1.0
