@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
@@ -15,7 +15,8 @@ from common.convert import (
     stop_reason_to_proto,
 )
 from decode_worker.departures import Paused
-from decode_worker.worker import DecodeWorker, NoRoom
+from decode_worker.output_sessions import OutputSession, QueueSink, Sent
+from decode_worker.worker import DecodeWorker, NoRoom, OutputSink
 from engine.engine import RequestOutput
 from kv_transfer import TransferDescriptor, TransferError
 from pdserve_proto import pdserve_pb2 as pb
@@ -23,6 +24,7 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from serving.gate import QueueFull
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+OUTPUTS_IDLE_S = 1.0  # how often an idle Outputs stream looks whether its router is still there
 
 
 class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
@@ -50,42 +52,84 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
-        admission_s, outputs = self._outputs(request, context)
+        sink = QueueSink()
+        self._start(request, context, sink)
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op. A paused request stays parked: it moves.
         paused = False
         context.add_callback(lambda: None if paused else self.worker.abort_later(rid))
         try:
-            for i, output in enumerate(outputs):
-                if isinstance(output, Paused):
-                    paused = True
-                    yield pb.TokenChunk(paused=True)
-                    return
-                chunk = _chunk(output)
-                if i == 0:
-                    chunk.admission_s = admission_s
-                yield chunk
-        except TimeoutError as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
-        except RuntimeError as exc:
-            context.abort(grpc.StatusCode.ABORTED, f"request {rid} ended: {exc}")
+            for i, output in enumerate(sink.drain()):
+                paused = isinstance(output, Paused)
+                yield _chunk(output, sink.admission_s if i == 0 else 0.0)
+        except (TimeoutError, RuntimeError) as exc:
+            _end_failed(context, rid, exc)
 
-    def _outputs(self, request: pb.DecodeRequest, context: grpc.ServicerContext
-                 ) -> tuple[float, Iterator[RequestOutput | Paused]]:
-        """The request's outputs: resumed, admitted after its KV arrived, or a whole generation
-        (and, admitted, the seconds until it joined the batch)."""
+    def DecodeInto(self, request: pb.DecodeRequest, context: grpc.ServicerContext
+                   ) -> pb.DecodeEnd:
+        rid = request.request_id
+        session = self.worker.sessions.get(request.output_session)
+        if session is None:
+            self.gate.reject(context, "DecodeInto", grpc.StatusCode.FAILED_PRECONDITION,
+                             f"output_session {request.output_session!r} is not open on this "
+                             "worker (open it with Outputs first)")
+        sink = self._bind(session, rid, context)
+        try:
+            self._start(request, context, sink)
+        except BaseException:
+            sink.detach()
+            raise
+        context.add_callback(lambda: None if sink.paused else self.worker.abort_later(rid))
+        try:
+            sink.wait()
+        except (TimeoutError, RuntimeError) as exc:
+            _end_failed(context, rid, exc)
+        return pb.DecodeEnd()
+
+    def _bind(self, session: OutputSession, request_id: str, context: grpc.ServicerContext
+              ) -> OutputSink:
+        try:
+            return session.bind(request_id)
+        except ValueError as exc:
+            self.gate.reject(context, "DecodeInto", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+    def Outputs(self, request: pb.OutputsRequest, context: grpc.ServicerContext
+                ) -> Iterator[pb.OutputBatch]:
+        try:
+            session, orphans = self.worker.sessions.open(request.session_id)
+        except ValueError as exc:
+            self.gate.reject(context, "Outputs", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._abort_all(orphans)
+        context.add_callback(lambda: self._abort_all(self.worker.sessions.close(session)))
+        yield pb.OutputBatch()  # the session is open: DecodeInto may name it
+        while context.is_active():
+            taken = session.take(OUTPUTS_IDLE_S)
+            if taken is None:
+                return
+            if taken:
+                yield pb.OutputBatch(chunks=[_request_chunk(sent) for sent in taken])
+
+    def _abort_all(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.worker.abort_later(request_id)
+
+    def _start(self, request: pb.DecodeRequest, context: grpc.ServicerContext,
+               sink: OutputSink) -> None:
+        """Start the request with its outputs going to `sink`: resumed, admitted after its KV
+        arrived, or a whole generation."""
         rid = request.request_id
         try:
             if request.resume:
-                return 0.0, self.worker.resume(rid)
+                return self.worker.start_resumed(rid, sink)
             if request.HasField("first_token_id"):
                 first_lp = (logprob_from_proto(request.first_logprob)
                             if request.HasField("first_logprob") else None)
-                return self.worker.admit(rid, request.first_token_id, first_lp, request.forks)
+                return self.worker.start_admitted(rid, request.first_token_id, first_lp,
+                                                  request.forks, sink)
             self.gate.check_new(context, "Decode")
-            return 0.0, self.worker.generate(rid, list(request.prompt_token_ids),
-                                             sampling_from_proto(request.sampling),
-                                             request.forks, request.fork_of)
+            return self.worker.start_generation(rid, list(request.prompt_token_ids),
+                                                sampling_from_proto(request.sampling), sink,
+                                                request.forks, request.fork_of)
         except KeyError as exc:
             self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
@@ -125,8 +169,23 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                                      kv_transport=stats.transport)
 
 
-def _chunk(output: RequestOutput) -> pb.TokenChunk:
-    chunk = pb.TokenChunk(token_ids=output.new_token_ids)
+def _end_failed(context: grpc.ServicerContext, request_id: str, exc: BaseException) -> None:
+    if isinstance(exc, TimeoutError):
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+    context.abort(grpc.StatusCode.ABORTED, f"request {request_id} ended: {exc}")
+
+
+def _request_chunk(sent: Sent) -> pb.RequestChunk:
+    """One output of a session, the request's first marked with its admission time."""
+    first, sent.sink.first_sent = not sent.sink.first_sent, True
+    return pb.RequestChunk(request_id=sent.request_id,
+                           chunk=_chunk(sent.item, sent.sink.admission_s if first else 0.0))
+
+
+def _chunk(output: RequestOutput | Paused, admission_s: float = 0.0) -> pb.TokenChunk:
+    if isinstance(output, Paused):
+        return pb.TokenChunk(paused=True)
+    chunk = pb.TokenChunk(token_ids=output.new_token_ids, admission_s=admission_s)
     if len(output.token_ids) == len(output.new_token_ids):  # the first chunk
         chunk.cached_tokens = output.num_cached_tokens
         chunk.forked = output.forked

@@ -7,12 +7,13 @@ the connectors' threads, into reserved blocks only."""
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from decode_worker.arrivals import KVArrivals, num_cached_blocks
 from decode_worker.departures import Departures, Paused
+from decode_worker.output_sessions import OutputSessions, QueueSink
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
@@ -36,6 +37,15 @@ COMMAND_TIMEOUT_S = 30.0  # a loop command waits at most one long step plus the 
 
 class NoRoom(Exception):
     """Not enough free KV blocks for the reservation."""
+
+
+class OutputSink(Protocol):
+    """Where one request's outputs go (decode_worker.output_sessions); `put` runs on the loop
+    thread."""
+
+    def note_admission(self, seconds: float) -> None: ...
+
+    def put(self, item: RequestOutput | Paused | BaseException) -> None: ...
 
 
 # Builds the worker's receiver connectors over its ReservationBook (kv_transfer.connectors).
@@ -81,6 +91,9 @@ class DecodeWorker:
         self.loop = EngineLoop(engine, DecodePolicy(self.table, self.departures,
                                                     lambda rid, m: self.loop.hand_over(rid, m)),
                                observer=self.metrics)
+        # The routers' Outputs streams: each sends a step's outputs at once, after the step.
+        self.sessions = OutputSessions()
+        self.loop.on_step_delivered = self.sessions.wake_all
         self.arrivals = KVArrivals(self.table, engine, self.metrics)
         self.receivers = connect(self.arrivals, self.gate.note_refused)
         self.senders = dict(senders or {})  # by transport: running requests' KV leaving
@@ -123,20 +136,26 @@ class DecodeWorker:
         """Start decoding a request whose KV arrived: the seconds until it joined the batch
         (the loop finishing its step), and its outputs (first token first). `forks`: samples
         of its prompt that will fork from its KV (its prompt's blocks are held for them)."""
+        sink = QueueSink()
+        self.start_admitted(request_id, first_token, logprobs, forks, sink)
+        return sink.admission_s, sink.drain()
+
+    def start_admitted(self, request_id: str, first_token: int,
+                       logprobs: dict[int, float] | None, forks: int, sink: OutputSink) -> None:
+        """`admit`, its outputs (and admission time) handed to `sink`."""
         _check_forks(forks)
-        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
         called = time.monotonic()
 
         def run(engine: LLMEngine) -> None:
             request = self.table.take_ready(request_id)
             request.forks_expected = forks
-            self.loop.sinks[request_id] = outputs.put
+            sink.note_admission(time.monotonic() - called)
+            self.loop.sinks[request_id] = sink.put
             first = engine.admit_prefilled(request, first_token, logprobs)
             if first.finished:  # the caller already has the first token; only the end is news
                 self.loop.deliver(first)
 
         self.loop.call(run, COMMAND_TIMEOUT_S)
-        return time.monotonic() - called, _drain(outputs)
 
     # ---- colocated path --------------------------------------------------------------------
     def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
@@ -145,22 +164,27 @@ class DecodeWorker:
         `forks`: samples of its prompt that will fork from it; `fork_of`: this is such a sample,
         of that request's prompt (engine.forks) — it prefills the prompt itself when nothing is
         held for it."""
+        sink = QueueSink()
+        self.start_generation(request_id, token_ids, params, sink, forks, fork_of)
+        return sink.drain()
+
+    def start_generation(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                         sink: OutputSink, forks: int = 0, fork_of: str = "") -> None:
+        """`generate`, its outputs handed to `sink`."""
         _check_forks(forks)
-        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
         self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> None:
             request = engine.new_request(token_ids, params, request_id)
             request.forks_expected = forks
             if fork_of and engine.fork(request, fork_of):
-                self.loop.sinks[request_id] = outputs.put
+                self.loop.sinks[request_id] = sink.put
                 return
             check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)
-            self.loop.sinks[request_id] = outputs.put
+            self.loop.sinks[request_id] = sink.put
             engine.scheduler.add(request)
 
         self.loop.call(run, COMMAND_TIMEOUT_S)
-        return _drain(outputs)
 
     # ---- a running request moving to another decode worker ---------------------------------
     def pause(self, request_ids: list[str], lease_s: float) -> list[str]:
@@ -174,14 +198,17 @@ class DecodeWorker:
     def resume(self, request_id: str) -> Iterator[RequestOutput | Paused]:
         """A parked request decodes here again: its outputs from the next token on (KeyError:
         nothing parked by that id)."""
-        outputs: queue.Queue[RequestOutput | Paused | BaseException] = queue.Queue()
+        sink = QueueSink()
+        self.start_resumed(request_id, sink)
+        return sink.drain()
 
+    def start_resumed(self, request_id: str, sink: OutputSink) -> None:
+        """`resume`, its outputs handed to `sink`."""
         def run(engine: LLMEngine) -> None:
             self.departures.resume(engine, request_id)
-            self.loop.sinks[request_id] = outputs.put
+            self.loop.sinks[request_id] = sink.put
 
         self.loop.call(run, COMMAND_TIMEOUT_S)
-        return _drain(outputs)
 
     def migrate_out(self, request_id: str, transport: str, descriptor: TransferDescriptor,
                     secret: str) -> TransferStats:
@@ -270,21 +297,3 @@ def _blocks_to_send(engine: LLMEngine, departures: Departures, request_id: str,
                          f"{needed}")
     departures.ship(request_id)
     return request.block_ids[cached:needed]
-
-
-STALL_TIMEOUT_S = 300.0  # no output for this long means the loop is stuck: give up
-
-
-def _drain(outputs: queue.Queue[RequestOutput | Paused | BaseException]
-           ) -> Iterator[RequestOutput | Paused]:
-    """A request's outputs until it finishes or is paused to move."""
-    while True:
-        try:
-            item = outputs.get(timeout=STALL_TIMEOUT_S)
-        except queue.Empty:
-            raise TimeoutError(f"no output for {STALL_TIMEOUT_S:.0f}s") from None
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-        if isinstance(item, Paused) or item.finished:
-            return

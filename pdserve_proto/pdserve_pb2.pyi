@@ -495,6 +495,30 @@ class HeartbeatResponse(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class OutputsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class RequestChunk(_message.Message):
+    __slots__ = ("request_id", "chunk")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: TokenChunk
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
+
+class OutputBatch(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[RequestChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[RequestChunk, _Mapping]]] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PauseRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -584,7 +608,7 @@ class KVEndpoint(_message.Message):
     def __init__(self, addresses: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob", "forks", "fork_of", "resume")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "first_token_id", "first_logprob", "forks", "fork_of", "resume", "output_session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -593,6 +617,7 @@ class DecodeRequest(_message.Message):
     FORKS_FIELD_NUMBER: _ClassVar[int]
     FORK_OF_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingOptions
@@ -601,7 +626,8 @@ class DecodeRequest(_message.Message):
     forks: int
     fork_of: str
     resume: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., forks: _Optional[int] = ..., fork_of: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+    output_session: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., forks: _Optional[int] = ..., fork_of: _Optional[str] = ..., resume: _Optional[bool] = ..., output_session: _Optional[str] = ...) -> None: ...
 
 class ReceiveKVRequest(_message.Message):
     __slots__ = ("request_id", "sender_id", "generation", "tag", "num_blocks", "dtype", "first_block", "more", "transfer_secret", "piece_mac")

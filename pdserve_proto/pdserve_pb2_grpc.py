@@ -561,6 +561,16 @@ class DecodeWorkerStub:
                 request_serializer=pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.SerializeToString,
                 response_deserializer=pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/Outputs',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.OutputBatch.FromString,
+                _registered_method=True)
+        self.DecodeInto = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/DecodeInto',
+                request_serializer=pdserve__proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve__proto_dot_pdserve__pb2.DecodeEnd.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -608,6 +618,26 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outputs(self, request, context):
+        """One stream per router: the chunks of every request it started with DecodeInto under this
+        session, each step's chunks in one message (one message per stream and token costs both
+        processes thread hand-offs per token). The first message is empty: the session is open.
+        When the stream ends (the router went away or cancelled it) its requests are aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeInto(self, request, context):
+        """Decode, with the request's chunks sent on the Outputs stream named by `output_session`
+        instead of on this call. It answers once the request's last chunk (finished, or `paused`)
+        is queued on that stream, and fails as Decode would (FAILED_PRECONDITION: no such session is
+        open). Cancelling it aborts the request, as cancelling Decode does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -635,6 +665,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.MigrateOut,
                     request_deserializer=pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.FromString,
                     response_serializer=pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.OutputsRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.OutputBatch.SerializeToString,
+            ),
+            'DecodeInto': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeInto,
+                    request_deserializer=pdserve__proto_dot_pdserve__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve__proto_dot_pdserve__pb2.DecodeEnd.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -773,6 +813,60 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/MigrateOut',
             pdserve__proto_dot_pdserve__pb2.MigrateOutRequest.SerializeToString,
             pdserve__proto_dot_pdserve__pb2.MigrateOutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Outputs',
+            pdserve__proto_dot_pdserve__pb2.OutputsRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.OutputBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeInto(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/DecodeInto',
+            pdserve__proto_dot_pdserve__pb2.DecodeRequest.SerializeToString,
+            pdserve__proto_dot_pdserve__pb2.DecodeEnd.FromString,
             options,
             channel_credentials,
             insecure,

@@ -127,7 +127,7 @@ class Router:
         self.admission = Admission(options.max_running, options.max_queued,
                                    policy=options.queue_policy,
                                    age_bound_s=options.queue_age_bound_s)
-        stubs = WorkerStubs()
+        stubs = self.stubs = WorkerStubs()
         self.sites = PrefillSitePolicy(options.local_prefill)
         self.orchestrator = Orchestrator(self.placement, stubs, self.metrics, options.lease_s,
                                          sites=self.sites)
@@ -209,6 +209,7 @@ class Router:
         while not self._stopped.wait(self.options.heartbeat_interval_s):
             for worker in self.registry.drop_dead():
                 abandoned = self.orchestrator.lost.abandon(worker.worker_id)
+                self.stubs.forget(worker.worker_id)
                 self.metrics.workers_dropped.labels(worker.role.value).inc()
                 self.metrics.calls_abandoned.inc(abandoned)
                 log.warning("worker %s (%s) missed its heartbeats: dropped, %d calls in flight "

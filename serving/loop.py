@@ -84,6 +84,9 @@ class EngineLoop:
         # Told once why the engine can never step again (a tensor-parallel rank is gone): the
         # worker then goes down as a unit, its requests failed (the router moves them).
         self.on_fatal: Callable[[str], None] | None = None
+        # Run after each step's outputs went to their sinks (sinks that batch a step's outputs
+        # send them then).
+        self.on_step_delivered: Callable[[], None] | None = None
         self.fatal: str | None = None
         self.load = LoadSnapshot()
         self.num_steps = 0
@@ -167,6 +170,8 @@ class EngineLoop:
         self.num_steps += 1
         for output in outputs:
             self.deliver(output)
+        if self.on_step_delivered is not None:
+            self.on_step_delivered()
         self.policy.after_step(self.engine, outputs)
 
     def _check_broken(self) -> None:

@@ -351,7 +351,7 @@ class Orchestrator:
             movable=worker.role is Role.DECODE and part.params.structured_output is None,
             not_before=site.hold_until))
         try:
-            call = scope.track(self.stubs.decode(worker).Decode(message, timeout=scope.timeout()))
+            call = scope.track(self.stubs.decode_stream(worker, message, scope.timeout()))
             with scope.watching(worker.worker_id, call, f"decode on {worker.worker_id}"):
                 for event in decode_events(worker.worker_id, call, message, scope, end,
                                            on_first, continuing):

@@ -1,4 +1,5 @@
-"""The router's clients of the workers: one channel per worker address, and best-effort aborts."""
+"""The router's clients of the workers: one channel per worker address, one Outputs stream per
+decode worker (router.request.output_mux), and best-effort aborts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from common.grpc_server import internal_channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from router.fleet.registry import Worker
+from router.request.calls import RouterError
+from router.request.output_mux import ATTACH_TIMEOUT_S, MuxedDecode, OutputMux, StreamError
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 2.0
@@ -20,6 +23,8 @@ class WorkerStubs:
     def __init__(self) -> None:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
+        self._muxes: dict[tuple[str, str], OutputMux] = {}  # by (worker id, address)
+        self._opening: dict[tuple[str, str], threading.Lock] = {}
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -29,6 +34,48 @@ class WorkerStubs:
 
     def decode(self, worker: Worker) -> pb_grpc.DecodeWorkerStub:
         return pb_grpc.DecodeWorkerStub(self._channel(worker.address))
+
+    def decode_stream(self, worker: Worker, message: pb.DecodeRequest, timeout_s: float
+                      ) -> MuxedDecode:
+        """Start a decode on `worker`, its chunks read off the worker's Outputs stream
+        (opened on first use, again after it ended). RouterError (retryable, the worker suspect)
+        when the stream cannot be opened."""
+        mux = self._mux(worker, timeout_s)
+        try:
+            return mux.open(message.request_id, message, timeout_s)
+        except StreamError as exc:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, exc.details(), retryable=True,
+                              suspect=worker.worker_id) from exc
+
+    def _mux(self, worker: Worker, timeout_s: float) -> OutputMux:
+        key = (worker.worker_id, worker.address)
+        with self._lock:
+            opening = self._opening.setdefault(key, threading.Lock())
+        with opening:  # one stream per worker, however many requests start at once
+            with self._lock:
+                mux = self._muxes.get(key)
+            if mux is not None and not mux.closed:
+                return mux
+            mux = OutputMux(self._channel(worker.address), worker.worker_id)
+            if not mux.attach(min(timeout_s, ATTACH_TIMEOUT_S)):
+                mux.close()
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} did "
+                                  "not open an Outputs stream", retryable=True,
+                                  suspect=worker.worker_id)
+            with self._lock:
+                self._muxes[key] = mux
+            return mux
+
+    def forget(self, worker_id: str) -> None:
+        """The router dropped the worker: stop reading its Outputs stream (what streamed there
+        fails over)."""
+        with self._lock:
+            keys = [key for key in self._muxes if key[0] == worker_id]
+            muxes = [self._muxes.pop(key) for key in keys]
+            for key in keys:
+                self._opening.pop(key, None)
+        for mux in muxes:
+            mux.close()
 
     def prefill(self, worker: Worker) -> pb_grpc.PrefillWorkerStub:
         return pb_grpc.PrefillWorkerStub(self._channel(worker.address))

@@ -1,0 +1,180 @@
+"""The decode streams of one worker over a single Outputs stream.
+
+Each decode worker sends this router one message per step carrying every request's new tokens
+(DecodeWorker.Outputs), in place of one message per request and token: with N requests
+running, a step costs each process one receive and one thread wake-up instead of N. A request
+is started with DecodeInto, a unary call that ends when the request does (its cancel aborts the
+request on the worker, as cancelling a Decode stream does); `MuxedDecode` reads its chunks off
+the shared stream and is iterated, cancelled and failed as a Decode stream is, so the rest of the
+router reads both the same way."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from pdserve_proto import pdserve_pb2 as pb
+from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+ATTACH_TIMEOUT_S = 5.0  # the worker answers an Outputs call with an empty message at once
+
+
+class StreamError(grpc.RpcError):
+    """A muxed decode stream's failure, with a status as a failed gRPC call has one."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class MuxedDecode:
+    """One request's chunks, read off its worker's Outputs stream until the one that finishes or
+    pauses it; raises what ended it otherwise (its DecodeInto call's error, the stream's loss,
+    its deadline, a cancel)."""
+
+    def __init__(self, mux: OutputMux, request_id: str, timeout_s: float):
+        self._mux = mux
+        self.request_id = request_id
+        self._deadline = time.monotonic() + timeout_s
+        self._items: queue.SimpleQueue[pb.TokenChunk | grpc.RpcError] = queue.SimpleQueue()
+        self._future: Any = None
+        self._ended = False
+
+    def start(self, message: pb.DecodeRequest) -> None:
+        future = self._mux.stub.DecodeInto.future(message, timeout=self._left())
+        self._future = future
+        future.add_done_callback(self._call_ended)
+
+    def _left(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def _call_ended(self, future: Any) -> None:
+        if future.cancelled():
+            self.fail(StreamError(grpc.StatusCode.CANCELLED, "decode call cancelled"))
+            return
+        error = future.exception()
+        if error is not None:  # on success the last chunk comes on the stream
+            self.fail(error)
+
+    def put(self, chunk: pb.TokenChunk) -> None:
+        self._items.put(chunk)
+
+    def fail(self, error: grpc.RpcError) -> None:
+        self._items.put(error)
+
+    def cancel(self) -> bool:
+        self._mux.forget(self.request_id)
+        self.fail(StreamError(grpc.StatusCode.CANCELLED, "decode stream cancelled"))
+        if self._future is not None:
+            self._future.cancel()
+        return True
+
+    def __iter__(self) -> MuxedDecode:
+        return self
+
+    def __next__(self) -> pb.TokenChunk:
+        if self._ended:
+            raise StopIteration
+        try:
+            item = self._items.get(timeout=self._left())
+        except queue.Empty:
+            item = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
+                               "passed")
+        if isinstance(item, grpc.RpcError):
+            self._end()
+            if self._future is not None:
+                self._future.cancel()  # the worker aborts the request
+            raise item
+        if item.paused or item.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self._ended = True
+        self._mux.forget(self.request_id)
+
+
+class OutputMux:
+    """This router's Outputs stream from one decode worker, and the requests reading it."""
+
+    def __init__(self, channel: grpc.Channel, worker_id: str):
+        self.stub = pb_grpc.DecodeWorkerStub(channel)
+        self.worker_id = worker_id
+        self.session_id = uuid.uuid4().hex
+        self.closed = False
+        self._calls: dict[str, MuxedDecode] = {}
+        self._lock = threading.Lock()
+        self._attached = threading.Event()
+        # No deadline: it lives as long as the worker does. A worker that dies resets it; one
+        # the router drops for missed heartbeats has it cancelled (`close`).
+        self._stream = self.stub.Outputs(pb.OutputsRequest(session_id=self.session_id))
+        threading.Thread(target=self._read, name=f"outputs-{worker_id}", daemon=True).start()
+
+    def attach(self, timeout_s: float) -> bool:
+        """Wait until the worker opened the session (False: it did not within `timeout_s`, or
+        the stream failed first)."""
+        return self._attached.wait(timeout_s) and not self.closed
+
+    def open(self, request_id: str, message: pb.DecodeRequest, timeout_s: float
+             ) -> MuxedDecode:
+        """Start the request on the worker (DecodeInto), its chunks read from this stream."""
+        call = MuxedDecode(self, request_id, timeout_s)
+        with self._lock:
+            if self.closed:
+                raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the Outputs stream of worker "
+                                  f"{self.worker_id} has ended")
+            if request_id in self._calls:
+                raise StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"request {request_id} is already streaming here")
+            self._calls[request_id] = call
+        message.output_session = self.session_id
+        call.start(message)
+        return call
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._calls.pop(request_id, None)
+
+    def close(self) -> None:
+        """Stop reading (the worker aborts what still streams here)."""
+        self._stream.cancel()
+
+    def _read(self) -> None:
+        try:
+            for batch in self._stream:
+                self._attached.set()
+                for part in batch.chunks:
+                    with self._lock:
+                        call = self._calls.get(part.request_id)
+                    if call is not None:
+                        call.put(part.chunk)
+            reason = "ended"
+        except grpc.RpcError as exc:
+            reason = f"failed: {exc.code().name}: {exc.details()}"
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            self.closed = True
+            calls, self._calls = list(self._calls.values()), {}
+        self._attached.set()  # an `attach` waiting sees the failure at once
+        if calls:
+            log.warning("the Outputs stream of worker %s %s; %d requests on it fail over",
+                        self.worker_id, reason, len(calls))
+        for call in calls:
+            call.fail(StreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"the Outputs stream of worker {self.worker_id} {reason}"))

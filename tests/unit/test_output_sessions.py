@@ -1,0 +1,123 @@
+"""A decode worker's Outputs sessions (decode_worker.output_sessions), without a model: a step's
+outputs leave in one batch, a request's end wakes the sender at once, and closing a session names
+the requests still bound to it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from decode_worker import output_sessions
+from decode_worker.departures import Paused
+from decode_worker.output_sessions import OutputSession, OutputSessions, QueueSink
+from engine.engine import RequestOutput
+
+
+def output(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id=rid, prompt_token_ids=[1, 2], new_token_ids=tokens[-1:],
+                         new_text="", token_ids=tokens, text="", finished=finished,
+                         finish_reason="length" if finished else None)
+
+
+def test_a_steps_outputs_wait_for_its_end_and_leave_together():
+    session = OutputSession("s")
+    a, b = session.bind("a"), session.bind("b")
+    a.put(output("a", [5]))
+    b.put(output("b", [6]))
+    assert session.take(0.0) is not None  # nothing is held back from a sender that looks
+    a.put(output("a", [5, 7]))
+    b.put(output("b", [6, 8]))
+    taken: list[list[output_sessions.Sent]] = []
+    sender = threading.Thread(target=lambda: taken.append(session.take(30.0) or []))
+    sender.start()
+    sender.join(0.2)
+    assert sender.is_alive()  # not woken mid-step
+    session.wake()  # the step's outputs are all delivered
+    sender.join(5.0)
+    assert [(s.request_id, s.item.new_token_ids) for s in taken[0]] == [("a", [7]), ("b", [8])]
+
+
+def test_a_requests_last_output_wakes_the_sender_and_ends_its_wait():
+    session = OutputSession("s")
+    sink = session.bind("a")
+    sink.note_admission(0.25)
+    ended = threading.Event()
+    threading.Thread(target=lambda: (sink.wait(), ended.set()), daemon=True).start()
+    sink.put(output("a", [5, 6], finished=True))
+    taken = session.take(5.0)
+    assert taken is not None and [s.request_id for s in taken] == ["a"]
+    assert taken[0].sink.admission_s == 0.25
+    assert ended.wait(5.0)
+    assert session.close() == []  # it ended: nothing is left to abort
+
+
+def test_a_paused_request_ends_its_wait_and_is_not_aborted_with_the_session():
+    session = OutputSession("s")
+    sink = session.bind("a")
+    sink.put(Paused("a"))
+    sink.wait()
+    assert sink.paused
+    taken = session.take(5.0)
+    assert taken is not None and isinstance(taken[0].item, Paused)
+    assert session.close() == []
+
+
+def test_a_failed_request_raises_in_its_wait_and_sends_nothing():
+    session = OutputSession("s")
+    sink = session.bind("a")
+    sink.put(RuntimeError("aborted"))
+    with pytest.raises(RuntimeError, match="aborted"):
+        sink.wait()
+    assert session.take(0.0) == []
+
+
+def test_closing_names_the_requests_still_bound_and_ends_the_sender():
+    session = OutputSession("s")
+    session.bind("a").put(output("a", [5]))
+    session.bind("b")
+    refused = session.bind("c")
+    refused.detach()
+    assert session.close() == ["a", "b"]
+    assert session.take(5.0) is None
+    session.push(output_sessions.Sent("a", output("a", [5, 6]), refused), wake=True)
+    assert session.take(0.0) is None  # outputs after the close go nowhere
+    with pytest.raises(ValueError, match="closed"):
+        session.bind("d")
+
+
+def test_a_stalled_request_times_out(monkeypatch):
+    monkeypatch.setattr(output_sessions, "STALL_TIMEOUT_S", 0.05)
+    sink = OutputSession("s").bind("a")
+    with pytest.raises(TimeoutError, match="no output"):
+        sink.wait()
+    with pytest.raises(TimeoutError, match="no output"):
+        next(QueueSink().drain())
+
+
+def test_sessions_by_id_replace_and_close():
+    sessions = OutputSessions()
+    with pytest.raises(ValueError, match="1 to 64 characters"):
+        sessions.open("")
+    with pytest.raises(ValueError, match="1 to 64 characters, got 65"):
+        sessions.open("x" * 65)
+    first, orphans = sessions.open("s")
+    assert orphans == []
+    first.bind("a")
+    second, orphans = sessions.open("s")
+    assert orphans == ["a"] and sessions.get("s") is second
+    assert sessions.close(first) == []  # already replaced: the open one stays
+    assert sessions.get("s") is second
+    assert sessions.close(second) == [] and sessions.get("s") is None
+
+
+def test_the_queue_sink_streams_until_the_end():
+    sink = QueueSink()
+    sink.put(output("a", [5]))
+    sink.put(output("a", [5, 6], finished=True))
+    sink.put(output("a", [5, 6, 7]))  # never read: the stream ended
+    assert [o.new_token_ids for o in sink.drain()] == [[5], [6]]
+    failing = QueueSink()
+    failing.put(RuntimeError("gone"))
+    with pytest.raises(RuntimeError, match="gone"):
+        list(failing.drain())
