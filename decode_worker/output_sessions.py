@@ -83,14 +83,24 @@ class SessionSink:
         self.admission_s = seconds
 
     def put(self, item: Item | BaseException) -> None:
+        if self._ended.is_set():
+            return  # failed by the sender already (`fail`)
         self._last_output = time.monotonic()
         if isinstance(item, BaseException):
-            self.error = item
-        else:
-            self.paused = isinstance(item, Paused)
-            self.session.push(Sent(self.request_id, item, self), wake=_ends(item))
-            if not _ends(item):
-                return
+            self.fail(item)
+            return
+        self.paused = isinstance(item, Paused)
+        self.session.push(Sent(self.request_id, item, self), wake=_ends(item))
+        if _ends(item):
+            self._end()
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with `error` (its handler raises it): the engine failed it, or the
+        session could not send its output."""
+        self.error = error
+        self._end()
+
+    def _end(self) -> None:
         self.session.unbind(self.request_id)
         self._ended.set()
 
@@ -103,6 +113,7 @@ class SessionSink:
         paused); raises its error, or TimeoutError when it produced nothing for too long."""
         while not self._ended.wait(min(STALL_TIMEOUT_S, 5.0)):
             if time.monotonic() - self._last_output >= STALL_TIMEOUT_S:
+                self.session.unbind(self.request_id)
                 raise TimeoutError(f"no output for {STALL_TIMEOUT_S:.0f}s")
         if self.error is not None:
             raise self.error

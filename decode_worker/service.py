@@ -14,6 +14,7 @@ from common.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from common.grpc_server import MAX_MESSAGE_BYTES
 from decode_worker.departures import Paused
 from decode_worker.output_sessions import OutputSession, QueueSink, Sent
 from decode_worker.worker import DecodeWorker, NoRoom, OutputSink
@@ -25,6 +26,13 @@ from serving.gate import QueueFull
 
 SERVICE_NAMES = [pb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
 OUTPUTS_IDLE_S = 1.0  # how often an idle Outputs stream looks whether its router is still there
+# A step's chunks are split into messages below the router's receive limit (a long prompt's
+# prompt_logprobs make a large first chunk); a chunk above it fails its request alone.
+BATCH_BYTES = MAX_MESSAGE_BYTES - (64 << 10)
+
+
+class OutputTooLarge(RuntimeError):
+    """A request's chunk does not fit in one message to the router."""
 
 
 class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
@@ -53,7 +61,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                ) -> Iterator[pb.TokenChunk]:
         rid = request.request_id
         sink = QueueSink()
-        self._start(request, context, sink)
+        self._start(request, context, sink, "Decode")
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op. A paused request stays parked: it moves.
         paused = False
@@ -75,11 +83,14 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                              "worker (open it with Outputs first)")
         sink = self._bind(session, rid, context)
         try:
-            self._start(request, context, sink)
+            self._start(request, context, sink, "DecodeInto")
         except BaseException:
             sink.detach()
             raise
-        context.add_callback(lambda: None if sink.paused else self.worker.abort_later(rid))
+        if not context.add_callback(
+                lambda: None if sink.paused else self.worker.abort_later(rid)):
+            self.worker.abort_later(rid)  # the call ended already (cancelled, deadline)
+            return pb.DecodeEnd()
         try:
             sink.wait()
         except (TimeoutError, RuntimeError) as exc:
@@ -100,21 +111,29 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except ValueError as exc:
             self.gate.reject(context, "Outputs", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._abort_all(orphans)
-        context.add_callback(lambda: self._abort_all(self.worker.sessions.close(session)))
-        yield pb.OutputBatch()  # the session is open: DecodeInto may name it
-        while context.is_active():
-            taken = session.take(OUTPUTS_IDLE_S)
-            if taken is None:
-                return
-            if taken:
-                yield pb.OutputBatch(chunks=[_request_chunk(sent) for sent in taken])
+
+        def close() -> None:  # its router is gone: so are the requests it was reading
+            self._abort_all(self.worker.sessions.close(session))
+
+        if not context.add_callback(close):
+            close()  # the call ended before it started here
+            return
+        try:
+            yield pb.OutputBatch()  # the session is open: DecodeInto may name it
+            while context.is_active():
+                taken = session.take(OUTPUTS_IDLE_S)
+                if taken is None:
+                    return
+                yield from _batches(taken)
+        finally:
+            close()
 
     def _abort_all(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self.worker.abort_later(request_id)
 
     def _start(self, request: pb.DecodeRequest, context: grpc.ServicerContext,
-               sink: OutputSink) -> None:
+               sink: OutputSink, method: str) -> None:
         """Start the request with its outputs going to `sink`: resumed, admitted after its KV
         arrived, or a whole generation."""
         rid = request.request_id
@@ -126,18 +145,18 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
                             if request.HasField("first_logprob") else None)
                 return self.worker.start_admitted(rid, request.first_token_id, first_lp,
                                                   request.forks, sink)
-            self.gate.check_new(context, "Decode")
+            self.gate.check_new(context, method)
             return self.worker.start_generation(rid, list(request.prompt_token_ids),
                                                 sampling_from_proto(request.sampling), sink,
                                                 request.forks, request.fork_of)
         except KeyError as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.NOT_FOUND, str(exc))
+            self.gate.reject(context, method, grpc.StatusCode.NOT_FOUND, str(exc))
         except ValueError as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.gate.reject(context, method, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
-            self.gate.reject(context, "Decode", grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            self.gate.reject(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
-            self.gate.reject(context, "Decode", grpc.StatusCode.ABORTED, str(exc))
+            self.gate.reject(context, method, grpc.StatusCode.ABORTED, str(exc))
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
@@ -172,7 +191,35 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
 def _end_failed(context: grpc.ServicerContext, request_id: str, exc: BaseException) -> None:
     if isinstance(exc, TimeoutError):
         context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+    if isinstance(exc, OutputTooLarge):
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     context.abort(grpc.StatusCode.ABORTED, f"request {request_id} ended: {exc}")
+
+
+def _batches(taken: list[Sent]) -> Iterator[pb.OutputBatch]:
+    """A step's outputs as messages below the router's receive limit; a request whose chunk
+    cannot go fails alone (its DecodeInto call says why), not the session."""
+    parts: list[pb.RequestChunk] = []
+    size = 0
+    for sent in taken:
+        try:
+            part = _request_chunk(sent)
+        except Exception as exc:  # noqa: BLE001 - its own request's failure, reported on its call
+            sent.sink.fail(RuntimeError(f"its output could not be encoded: {exc!r}"))
+            continue
+        part_size = part.ByteSize()
+        if part_size > BATCH_BYTES:
+            sent.sink.fail(OutputTooLarge(
+                f"a chunk of request {sent.request_id} is {part_size} bytes, over the "
+                f"{BATCH_BYTES}-byte message limit (prompt_logprobs of a long prompt?)"))
+            continue
+        if parts and size + part_size > BATCH_BYTES:
+            yield pb.OutputBatch(chunks=parts)
+            parts, size = [], 0
+        parts.append(part)
+        size += part_size
+    if parts:
+        yield pb.OutputBatch(chunks=parts)
 
 
 def _request_chunk(sent: Sent) -> pb.RequestChunk:

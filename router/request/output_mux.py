@@ -46,10 +46,10 @@ class MuxedDecode:
     pauses it; raises what ended it otherwise (its DecodeInto call's error, the stream's loss,
     its deadline, a cancel)."""
 
-    def __init__(self, mux: OutputMux, request_id: str, timeout_s: float):
+    def __init__(self, mux: OutputMux, request_id: str, deadline: float):
         self._mux = mux
         self.request_id = request_id
-        self._deadline = time.monotonic() + timeout_s
+        self._deadline = deadline  # time.monotonic()'s
         self._items: queue.SimpleQueue[pb.TokenChunk | grpc.RpcError] = queue.SimpleQueue()
         self._future: Any = None
         self._ended = False
@@ -77,7 +77,7 @@ class MuxedDecode:
         self._items.put(error)
 
     def cancel(self) -> bool:
-        self._mux.forget(self.request_id)
+        self._mux.forget(self)
         self.fail(StreamError(grpc.StatusCode.CANCELLED, "decode stream cancelled"))
         if self._future is not None:
             self._future.cancel()
@@ -105,7 +105,7 @@ class MuxedDecode:
 
     def _end(self) -> None:
         self._ended = True
-        self._mux.forget(self.request_id)
+        self._mux.forget(self)
 
 
 class OutputMux:
@@ -126,13 +126,14 @@ class OutputMux:
 
     def attach(self, timeout_s: float) -> bool:
         """Wait until the worker opened the session (False: it did not within `timeout_s`, or
-        the stream failed first)."""
+        the stream failed first). Every request that finds the stream opening waits on it."""
         return self._attached.wait(timeout_s) and not self.closed
 
-    def open(self, request_id: str, message: pb.DecodeRequest, timeout_s: float
-             ) -> MuxedDecode:
-        """Start the request on the worker (DecodeInto), its chunks read from this stream."""
-        call = MuxedDecode(self, request_id, timeout_s)
+    def open(self, message: pb.DecodeRequest, deadline: float) -> MuxedDecode:
+        """Start the request on the worker (DecodeInto), its chunks read from this stream
+        until `deadline` (time.monotonic()'s)."""
+        request_id = message.request_id
+        call = MuxedDecode(self, request_id, deadline)
         with self._lock:
             if self.closed:
                 raise StreamError(grpc.StatusCode.UNAVAILABLE, f"the Outputs stream of worker "
@@ -142,18 +143,24 @@ class OutputMux:
                                   f"request {request_id} is already streaming here")
             self._calls[request_id] = call
         message.output_session = self.session_id
-        call.start(message)
+        try:
+            call.start(message)
+        except BaseException:
+            self.forget(call)
+            raise
         return call
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, call: MuxedDecode) -> None:
         with self._lock:
-            self._calls.pop(request_id, None)
+            if self._calls.get(call.request_id) is call:
+                del self._calls[call.request_id]
 
     def close(self) -> None:
         """Stop reading (the worker aborts what still streams here)."""
         self._stream.cancel()
 
     def _read(self) -> None:
+        reason = "ended"
         try:
             for batch in self._stream:
                 self._attached.set()
@@ -162,16 +169,20 @@ class OutputMux:
                         call = self._calls.get(part.request_id)
                     if call is not None:
                         call.put(part.chunk)
-            reason = "ended"
         except grpc.RpcError as exc:
             reason = f"failed: {exc.code().name}: {exc.details()}"
-        self._fail_all(reason)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the reader fails its requests
+            log.exception("reading the Outputs stream of worker %s failed", self.worker_id)
+            reason = f"failed: {exc!r}"
+        finally:
+            self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:
             self.closed = True
             calls, self._calls = list(self._calls.values()), {}
         self._attached.set()  # an `attach` waiting sees the failure at once
+        self._stream.cancel()  # a no-op once it ended; else the worker aborts what is left
         if calls:
             log.warning("the Outputs stream of worker %s %s; %d requests on it fail over",
                         self.worker_id, reason, len(calls))

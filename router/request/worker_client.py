@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -24,7 +25,6 @@ class WorkerStubs:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._muxes: dict[tuple[str, str], OutputMux] = {}  # by (worker id, address)
-        self._opening: dict[tuple[str, str], threading.Lock] = {}
 
     def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -40,30 +40,29 @@ class WorkerStubs:
         """Start a decode on `worker`, its chunks read off the worker's Outputs stream
         (opened on first use, again after it ended). RouterError (retryable, the worker suspect)
         when the stream cannot be opened."""
-        mux = self._mux(worker, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        mux = self._mux(worker)
+        if not mux.attach(min(timeout_s, ATTACH_TIMEOUT_S)):
+            mux.close()
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} did not "
+                              "open an Outputs stream", retryable=True, suspect=worker.worker_id)
         try:
-            return mux.open(message.request_id, message, timeout_s)
+            return mux.open(message, deadline)
         except StreamError as exc:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, exc.details(), retryable=True,
                               suspect=worker.worker_id) from exc
 
-    def _mux(self, worker: Worker, timeout_s: float) -> OutputMux:
+    def _mux(self, worker: Worker) -> OutputMux:
+        """The worker's stream: open, opening, or opened now (one per worker, however many
+        requests start at once); streams that ended are dropped."""
         key = (worker.worker_id, worker.address)
+        channel = self._channel(worker.address)
         with self._lock:
-            opening = self._opening.setdefault(key, threading.Lock())
-        with opening:  # one stream per worker, however many requests start at once
-            with self._lock:
-                mux = self._muxes.get(key)
-            if mux is not None and not mux.closed:
-                return mux
-            mux = OutputMux(self._channel(worker.address), worker.worker_id)
-            if not mux.attach(min(timeout_s, ATTACH_TIMEOUT_S)):
-                mux.close()
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} did "
-                                  "not open an Outputs stream", retryable=True,
-                                  suspect=worker.worker_id)
-            with self._lock:
-                self._muxes[key] = mux
+            mux = self._muxes.get(key)
+            if mux is None or mux.closed:
+                for old in [k for k, m in self._muxes.items() if m.closed]:
+                    del self._muxes[old]
+                mux = self._muxes[key] = OutputMux(channel, worker.worker_id)
             return mux
 
     def forget(self, worker_id: str) -> None:
@@ -72,8 +71,6 @@ class WorkerStubs:
         with self._lock:
             keys = [key for key in self._muxes if key[0] == worker_id]
             muxes = [self._muxes.pop(key) for key in keys]
-            for key in keys:
-                self._opening.pop(key, None)
         for mux in muxes:
             mux.close()
 

@@ -121,3 +121,38 @@ def test_the_queue_sink_streams_until_the_end():
     failing.put(RuntimeError("gone"))
     with pytest.raises(RuntimeError, match="gone"):
         list(failing.drain())
+
+
+def test_a_steps_chunks_split_below_the_message_limit_and_an_oversized_one_fails_alone(
+        monkeypatch):
+    from decode_worker import service
+
+    session = OutputSession("s")
+    sinks = {rid: session.bind(rid) for rid in ("a", "b", "c", "big")}
+    monkeypatch.setattr(service, "BATCH_BYTES", 20)  # two 8-byte chunks fit, not three
+    taken = [output_sessions.Sent(rid, output(rid, [5, 6]), sinks[rid]) for rid in ("a", "b")]
+    huge = output("big", [7])  # a first chunk: its prompt's logprobs go with it
+    huge.prompt_token_ids = [1, 2, 3, 4]
+    huge.prompt_logprobs = [None] + [{t: -0.5 * t for t in range(2, 12)}] * 3
+    taken += [output_sessions.Sent("big", huge, sinks["big"]),
+              output_sessions.Sent("c", output("c", [8]), sinks["c"])]
+    batches = list(service._batches(taken))
+    assert [[part.request_id for part in b.chunks] for b in batches] == [["a", "b"], ["c"]]
+    assert all(b.ByteSize() <= 20 for b in batches)
+    with pytest.raises(service.OutputTooLarge, match="a chunk of request big is"):
+        sinks["big"].wait()
+    assert session.close() == ["a", "b", "c"]  # the others go on
+
+
+def test_a_chunk_that_cannot_be_encoded_fails_its_request_alone():
+    from decode_worker import service
+
+    session = OutputSession("s")
+    good, bad = session.bind("good"), session.bind("bad")
+    broken = output("bad", [5])
+    broken.new_token_ids = ["not a token id"]  # type: ignore[list-item]
+    batches = list(service._batches([output_sessions.Sent("bad", broken, bad),
+                                     output_sessions.Sent("good", output("good", [6]), good)]))
+    assert [[p.request_id for p in b.chunks] for b in batches] == [["good"]]
+    with pytest.raises(RuntimeError, match="could not be encoded"):
+        bad.wait()
