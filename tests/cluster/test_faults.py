@@ -93,6 +93,22 @@ def _busy_worker(cluster, role: int, field: str) -> str:
     return found[0]
 
 
+def _prefilling_worker(cluster) -> str:
+    """A prefill worker computing a prompt by its own count. The router's status adds the
+    prompts it placed there before they arrive, so a worker picked from it may not have the
+    request yet: drained then, it would refuse it."""
+    found: list[str] = []
+
+    def busy() -> bool:
+        found[:] = [w.worker_id for w in cluster.status().workers
+                    if w.role == pb.WORKER_ROLE_PREFILL and scrape(w.metrics_address).get(
+                        "pdserve_worker_queued_prompt_tokens{role=prefill}", 0.0) > 0]
+        return bool(found)
+
+    wait_until(busy, 60.0, "a prefill worker computing a prompt")
+    return found[0]
+
+
 def _wait_dropped(cluster, worker_id: str) -> None:
     """The router forgets a dead worker within its heartbeat timeout (plus a reaper tick)."""
     wait_until(lambda: worker_status(cluster, worker_id) is None, HEARTBEAT_TIMEOUT_S + 2.0,
@@ -152,7 +168,7 @@ def test_sigterm_drains_a_prefill_worker_after_its_accepted_prefill(cluster, ref
     retries = _router_counter(cluster, "pdserve_router_retries_total{}")
     # A prompt no worker has cached, so the prefill is still running when SIGTERM arrives.
     result = _in_background(cluster.address, greedy_request(long_prompt()[7:], LONG_TOKENS))
-    victim = _busy_worker(cluster, pb.WORKER_ROLE_PREFILL, "queued_prompt_tokens")
+    victim = _prefilling_worker(cluster)
     process = cluster.signal(victim, signal.SIGTERM)
     assert result.result(timeout=240) == reference["drained"]
     assert _router_counter(cluster, "pdserve_router_retries_total{}") == retries  # done there
