@@ -1,14 +1,15 @@
 """The served path at this checkout against an earlier commit, side by side on one machine.
 
     .venv/bin/python -m benchmarks.served_against_commit --commit REV [--rounds 3]
-        [--runs 2] [--concurrency 16] [--dtype bfloat16] [--json OUT]
+        [--runs 2] [--concurrency 16] [--dtype bfloat16] [--api grpc] [--json OUT]
 
 Each round runs `benchmarks.served_thread_cpu` (a colocated cluster, N gRPC streams at once,
 each process's CPU split per streamed token) once in the earlier tree and once in this one, in
 that order, each in a fresh child process with its own cluster, so drift in the machine's speed
 hits both alike. The earlier commit is checked out into a temporary git worktree and must have
-that benchmark. Reported per tree: medians over every run of every round of ITL p50 and of the
-CPU each part spends per streamed token, and their ratios (this / earlier).
+that benchmark (with `--api`, unless it is grpc). Reported per tree: medians over every run of
+every round of ITL p50 and of the CPU each part spends per streamed token, and their ratios
+(this / earlier).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ PARTS = ("worker_messaging_s", "router_s", "client_s")
 
 
 def _one_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    api = [] if args.api == "grpc" else ["--api", args.api]  # older trees know only gRPC
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run([sys.executable, "-m", "benchmarks.served_thread_cpu",
                         "--runs", str(args.runs), "--concurrency", str(args.concurrency),
-                        "--dtype", args.dtype, "--threads", str(args.threads),
+                        "--dtype", args.dtype, "--threads", str(args.threads), *api,
                         "--json", out.name], cwd=tree, check=True, timeout=args.timeout,
                        stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())
@@ -68,11 +70,13 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     medians = {name: summary(values) for name, values in runs.items()}
     ratios = {key: medians["this"][key] / medians["earlier"][key] for key in medians["this"]}
     return {"commit": args.commit, "machine": cpu_model(), "dtype": args.dtype,
-            "concurrency": args.concurrency, "runs": runs, "median": medians, "ratio": ratios}
+            "api": args.api, "concurrency": args.concurrency, "runs": runs, "median": medians,
+            "ratio": ratios}
 
 
 def table(report: dict[str, Any]) -> list[str]:
-    lines = [f"Machine: {report['machine']}; {report['dtype']}; {report['concurrency']} gRPC "
+    api = {"grpc": "gRPC", "http": "HTTP"}[report.get("api", "grpc")]
+    lines = [f"Machine: {report['machine']}; {report['dtype']}; {report['concurrency']} {api} "
              f"streams; medians over {len(report['runs']['this'])} runs per tree.", "",
              "| tree | ITL p50 ms | worker messaging µs/token | router µs/token | "
              "client µs/token |", "|---|---|---|---|---|"]
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per child")
+    p.add_argument("--api", default="grpc", choices=["grpc", "http"])
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args(argv)
     for name in ("rounds", "runs", "concurrency"):

@@ -1,8 +1,10 @@
 """Where a served stream's CPU goes, thread by thread: the CPU seconds each process of the
-colocated cluster (and the client) spends while N gRPC streams run at once.
+colocated cluster (and the client) spends while N streams run at once, over the router's gRPC
+API or its OpenAI HTTP API (`/v1/completions` with server-sent events, what `vllm bench serve`
+reads).
 
     .venv/bin/python -m benchmarks.served_thread_cpu [--concurrency 16] [--prompt-tokens 256]
-        [--max-tokens 128] [--dtype float32] [--threads 2] [--runs 2] [--json OUT]
+        [--max-tokens 128] [--dtype float32] [--threads 2] [--runs 2] [--api grpc] [--json OUT]
 
 On a machine whose cores all run the worker's compute (its step-loop thread and the OpenMP team
 it leads), every CPU second spent elsewhere — the worker's gRPC threads, the router, the client —
@@ -22,14 +24,16 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.kv_transfer import cpu_model
-from benchmarks.served_token_path import grpc_times, itl, prompts
+from benchmarks.served_token_path import grpc_times, http_times, itl, prompts
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+API_NAMES = {"grpc": "gRPC", "http": "HTTP (SSE)"}
 
 
 def parse_stat(text: str) -> tuple[str, float]:
@@ -77,14 +81,14 @@ class RunCpu:
         return seconds / self.tokens * 1e6
 
 
-def one_run(address: str, pids: dict[str, int], batch: list[list[int]], max_tokens: int,
-            compute_threads: int) -> RunCpu:
+def one_run(fetch: Callable[[list[int]], list[float]], pids: dict[str, int],
+            batch: list[list[int]], compute_threads: int) -> RunCpu:
     me = os.getpid()
     threads_before = thread_cpu(pids["worker"])
     before = {name: process_cpu(pid) for name, pid in pids.items()} | {"client": process_cpu(me)}
     started = time.perf_counter()
     with ThreadPoolExecutor(len(batch)) as pool:
-        times = list(pool.map(lambda ids: grpc_times(address, ids, max_tokens), batch))
+        times = list(pool.map(fetch, batch))
     wall = time.perf_counter() - started
     after = {name: process_cpu(pid) for name, pid in pids.items()} | {"client": process_cpu(me)}
     compute, messaging = split_compute(threads_before, thread_cpu(pids["worker"]),
@@ -104,10 +108,14 @@ def measure(args: argparse.Namespace) -> list[RunCpu]:
     with LocalCluster(spec, Path(tempfile.mkdtemp(prefix="thread-cpu-")) / "logs") as cluster:
         pids = {"router": cluster.processes["router"].pid,
                 "worker": cluster.processes["colocated-0"].pid}
+        status = cluster.status()
+        fetch = {"grpc": lambda ids: grpc_times(cluster.address, ids, args.max_tokens),
+                 "http": lambda ids: http_times(status.http_address, status.model, ids,
+                                                args.max_tokens)}[args.api]
         for run in range(args.runs + 1):
             batch = prompts(args.concurrency, args.prompt_tokens, first)
             first += args.concurrency
-            got = one_run(cluster.address, pids, batch, args.max_tokens, args.threads)
+            got = one_run(fetch, pids, batch, args.threads)
             if run:
                 runs.append(got)
     return runs
@@ -115,7 +123,8 @@ def measure(args: argparse.Namespace) -> list[RunCpu]:
 
 def table(runs: list[RunCpu], args: argparse.Namespace) -> list[str]:
     lines = [f"Machine: {cpu_model()}; {args.dtype}; {args.threads} torch threads; "
-             f"{args.concurrency} gRPC streams of {args.prompt_tokens}-token prompts and "
+             f"{args.concurrency} {API_NAMES[args.api]} streams of {args.prompt_tokens}-token "
+             f"prompts and "
              f"{args.max_tokens} output tokens.", "",
              "| run | wall s | ITL p50 ms | worker compute cpu-s | worker messaging cpu-s "
              "(µs/token) | router cpu-s (µs/token) | client cpu-s (µs/token) |",
@@ -138,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--api", default="grpc", choices=sorted(API_NAMES),
+                   help="the router API the client streams from")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     runs = measure(args)
