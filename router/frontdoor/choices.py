@@ -119,6 +119,10 @@ class Choice:
 async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
     """Every choice's responses as they come, each with its choice; a choice's END follows its
     last. The readers stop when the consumer does."""
+    if len(choices) == 1:  # most requests: read directly, with no task and queue per token
+        async for entry in _one(choices[0]):
+            yield entry
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
@@ -137,6 +141,14 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, object]]:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _one(choice: Choice) -> AsyncIterator[tuple[Choice, object]]:
+    async for item in choice.responses:
+        yield choice, item
+        if isinstance(item, RouterError):
+            return
+    yield choice, END
 
 
 async def collect(choices: list[Choice]) -> RouterError | None:

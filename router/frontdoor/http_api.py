@@ -4,10 +4,11 @@
 
 Handlers only translate (router.frontdoor.openai_codec): each request runs through the same
 GenerationServicer.stream as a gRPC one — same admission queue, placement, limits and metrics —
-on a thread of its own, its responses handed to the event loop. A client that goes away (the
-handler is cancelled, or a write fails) cancels the request's CallScope, which aborts it on its
-workers; the thread then runs the request's cleanup to the end. `X-Request-Timeout` (seconds)
-sets a deadline (504 past it); otherwise the gRPC API's default bounds the request.
+on a thread of its own, its responses handed to the event loop (router.frontdoor.loop_inbox).
+A client that goes away (the handler is cancelled, or a write fails) cancels the request's
+CallScope, which aborts it on its workers; the thread then runs the request's cleanup to the
+end. `X-Request-Timeout` (seconds) sets a deadline (504 past it); otherwise the gRPC API's
+default bounds the request.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from router.frontdoor.choices import (
     total_usage,
 )
 from router.frontdoor.grpc_api import GenerationServicer
+from router.frontdoor.loop_inbox import LoopInbox
 from router.frontdoor.request_log import RequestRecord
 from router.frontdoor.tool_stream import merge
 from router.request.calls import CallScope, RouterError
@@ -65,6 +67,7 @@ class HttpApi:
         self.frontend = servicer.frontend
         self.host, self.port = host, port
         self._loop = asyncio.new_event_loop()
+        self._inbox = LoopInbox(self._loop)  # the request threads' responses
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="http-api",
                                         daemon=True)
@@ -222,10 +225,10 @@ class HttpApi:
         """The request's responses from a thread driving GenerationServicer.stream, preceded by
         Accepted when it gets a slot; a RouterError ends them. The prompt is tokenized there,
         off the event loop, so a large one holds up no other request's stream."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()
 
         def put(item: object) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            self._inbox.put(queue, item)
 
         def drive() -> None:
             try:
