@@ -29,6 +29,7 @@ from router.request.calls import DEFAULT_TIMEOUT_S, CallScope, RouterError
 from router.request.events import Finished, Tokens
 from router.request.forks import ForkRole
 from router.request.orchestrator import Orchestrator
+from router.request.stream_driver import WAITING, Waiting
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +106,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def stream(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                record: RequestRecord, on_accepted: Callable[[Job], None] | None = None,
                rest_of_context: bool = False, fork: ForkRole | None = None
-               ) -> Iterator[pb.GenerateResponse]:
+               ) -> Iterator[pb.GenerateResponse | Waiting]:
         """A request's responses, whatever the front end (gRPC here, HTTP in http_api):
         RouterError ends it with a status; `scope` carries its deadline and cancellation;
         `record` learns how it ended; `on_accepted` hears when it leaves the router's queue
         for a slot (the HTTP API then sends its status and headers); `rest_of_context`:
         without max_tokens, generate up to the model's context (OpenAI chat's default);
-        `fork`: its part among the samples of its prompt (router.request.forks)."""
+        `fork`: its part among the samples of its prompt (router.request.forks). Driven by a
+        StreamDriver it also yields WAITING while its decode stream has nothing to read."""
         try:
             yield from self._accept(request, scope, record, on_accepted, rest_of_context, fork)
         except RouterError as exc:
@@ -127,7 +129,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _accept(self, request: pb.GenerateRequest | Unparsable, scope: CallScope,
                 record: RequestRecord, on_accepted: Callable[[Job], None] | None,
-                rest_of_context: bool, fork: ForkRole | None) -> Iterator[pb.GenerateResponse]:
+                rest_of_context: bool, fork: ForkRole | None
+                ) -> Iterator[pb.GenerateResponse | Waiting]:
         arrival = record.arrival
         if isinstance(request, Unparsable):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
@@ -164,12 +167,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                               "passed while it waited in the router's queue") from None
 
     def _stream(self, job: Job, scope: CallScope, router_queue_s: float, record: RequestRecord
-                ) -> Iterator[pb.GenerateResponse]:
+                ) -> Iterator[pb.GenerateResponse | Waiting]:
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
         output: list[str] = []  # the text so far, for tool calls
         completion_tokens = 0
         first_token_time = last_token_time = None
         for event in self.orchestrator.run(job, scope):
+            if event is WAITING:  # driven by the HTTP front door (router.request.stream_driver)
+                yield event
+                continue
             now = time.monotonic()
             if isinstance(event, Tokens):
                 if first_token_time is None:

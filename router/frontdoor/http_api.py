@@ -4,11 +4,12 @@
 
 Handlers only translate (router.frontdoor.openai_codec): each request runs through the same
 GenerationServicer.stream as a gRPC one — same admission queue, placement, limits and metrics —
-on a thread of its own, its responses handed to the event loop (router.frontdoor.loop_inbox).
-A client that goes away (the handler is cancelled, or a write fails) cancels the request's
-CallScope, which aborts it on its workers; the thread then runs the request's cleanup to the
-end. `X-Request-Timeout` (seconds) sets a deadline (504 past it); otherwise the gRPC API's
-default bounds the request.
+driven by a StreamDriver (a thread of its own until its tokens stream, then the Outputs
+stream's reader: router.request.stream_driver), its responses handed to the event loop
+(router.frontdoor.loop_inbox). A client that goes away (the handler is cancelled, or a write
+fails) cancels the request's CallScope, which aborts it on its workers; a thread then runs the
+request's cleanup to the end. `X-Request-Timeout` (seconds) sets a deadline (504 past it);
+otherwise the gRPC API's default bounds the request.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from router.frontdoor.request_log import RequestRecord
 from router.frontdoor.tool_stream import merge
 from router.request.calls import CallScope, RouterError
 from router.request.forks import ForkRole
+from router.request.stream_driver import StreamDriver
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router.frontdoor.limits
@@ -222,30 +224,29 @@ class HttpApi:
     async def _run(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
                    rest_of_context: bool, fork: ForkRole | None = None
                    ) -> AsyncIterator[Accepted | pb.GenerateResponse | RouterError]:
-        """The request's responses from a thread driving GenerationServicer.stream, preceded by
-        Accepted when it gets a slot; a RouterError ends them. The prompt is tokenized there,
-        off the event loop, so a large one holds up no other request's stream."""
+        """The request's responses from GenerationServicer.stream, driven by a StreamDriver
+        (router.request.stream_driver): on a thread of its own up to its first token (the prompt
+        is tokenized there, off the event loop, so a large one holds up no other request's
+        stream), then by the Outputs stream's reader as its tokens come. Accepted comes first
+        when it gets a slot; a RouterError ends them."""
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item: object) -> None:
             self._inbox.put(queue, item)
 
-        def drive() -> None:
-            try:
-                accepted = lambda job: put(Accepted(job.token_ids))  # noqa: E731
-                for response in self.servicer.stream(request, scope, record, accepted,
-                                                     rest_of_context=rest_of_context, fork=fork):
-                    put(response)
-            except RouterError as exc:
-                put(exc)
-            except Exception as exc:  # noqa: BLE001 - reported to the client as a 500
-                log.exception("HTTP request %s failed", request.request_id)
-                record.failed(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
-                put(RouterError(grpc.StatusCode.INTERNAL, f"internal error: {exc}"))
-            finally:
-                put(DONE)
+        def end(error: BaseException | None) -> None:
+            if isinstance(error, RouterError):
+                put(error)
+            elif error is not None:  # reported to the client as a 500
+                log.error("HTTP request %s failed", request.request_id, exc_info=error)
+                record.failed(grpc.StatusCode.INTERNAL, f"internal error: {error!r}")
+                put(RouterError(grpc.StatusCode.INTERNAL, f"internal error: {error}"))
+            put(DONE)
 
-        threading.Thread(target=drive, name=f"http-{request.request_id}", daemon=True).start()
+        responses = self.servicer.stream(request, scope, record,
+                                         lambda job: put(Accepted(job.token_ids)),
+                                         rest_of_context=rest_of_context, fork=fork)
+        StreamDriver(responses, put, end, f"http-{request.request_id}").start()
         while (item := await queue.get()) is not DONE:
             yield item
             if isinstance(item, RouterError):

@@ -12,6 +12,7 @@ import grpc
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.validation import Job
 from router.request.calls import CallScope, RouterError, worker_error
+from router.request.stream_driver import WAITING, Waiting
 
 
 @dataclasses.dataclass
@@ -103,14 +104,18 @@ def _extended(job: Job, emitted: list[int]) -> Job:
     return dataclasses.replace(job, token_ids=job.token_ids + emitted, params=params)
 
 
-def decode_events(worker_id: str, call: Iterator[pb.TokenChunk], message: pb.DecodeRequest,
-                  scope: CallScope, end: Finished, on_first: Callable[[], None] | None,
-                  continuing: bool = False) -> Iterator[Tokens | Finished | Paused]:
+def decode_events(worker_id: str, call: Iterator[pb.TokenChunk | Waiting],
+                  message: pb.DecodeRequest, scope: CallScope, end: Finished,
+                  on_first: Callable[[], None] | None, continuing: bool = False
+                  ) -> Iterator[Tokens | Finished | Paused | Waiting]:
     """A decode stream's chunks as events (`on_first` runs at the first chunk). `continuing`:
     the stream goes on after a live move or a resume (its first chunk is not the request's)."""
     first = not continuing
     try:
         for chunk in call:
+            if chunk is WAITING:  # driven (router.request.stream_driver): nothing to read yet
+                yield WAITING
+                continue
             if chunk.paused:
                 yield Paused()
                 return

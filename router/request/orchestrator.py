@@ -31,6 +31,7 @@ from router.request.events import Finished, Paused, Tokens, continuation, decode
 from router.request.forks import ForkSource
 from router.request.live_streams import LiveStreams
 from router.request.moving import LiveMover, StreamSite
+from router.request.stream_driver import WAITING, Waiting
 from router.request.transfer_secret import transfer_secret
 from router.request.worker_client import WorkerStubs
 
@@ -56,7 +57,7 @@ class Orchestrator:
         self.streams = LiveStreams()  # what a drain or a rebalance may move
         self.mover = LiveMover(placement, stubs, metrics, lease_s)
 
-    def run(self, job: Job, scope: CallScope) -> Iterator[Tokens | Finished]:
+    def run(self, job: Job, scope: CallScope) -> Iterator[Tokens | Finished | Waiting]:
         emitted: list[int] = []
         scope.lost = self.lost
         suspects = Suspects(self.registry.heartbeat_timeout_s)
@@ -86,7 +87,7 @@ class Orchestrator:
                             "migrating" if emitted else "retrying", attempt + 1)
 
     def _attempt(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished
-                 ) -> Iterator[Tokens | Finished]:
+                 ) -> Iterator[Tokens | Finished | Waiting]:
         forked = self._fork_site(part, scope, suspects)
         if forked is not None:  # a sample of n: from the first sample's prompt, where it is
             worker, source_id = forked
@@ -158,7 +159,7 @@ class Orchestrator:
 
     # ---- disaggregated ---------------------------------------------------------------------
     def _disaggregated(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished,
-                       keys: list[int]) -> Iterator[Tokens | Finished]:
+                       keys: list[int]) -> Iterator[Tokens | Finished | Waiting]:
         while True:
             decode, charge = self._place(Role.DECODE, part, scope, suspects, keys)
             decision = self.sites.decide(self.placement.site_inputs(
@@ -181,7 +182,7 @@ class Orchestrator:
 
     def _remote(self, part: Job, scope: CallScope, suspects: Suspects, end: Finished,
                 keys: list[int], reserved: tuple[Worker, Charge, pb.ReserveResponse],
-                holders: list[tuple[Worker, str]]) -> Iterator[Tokens | Finished]:
+                holders: list[tuple[Worker, str]]) -> Iterator[Tokens | Finished | Waiting]:
         """Prefill on a prefill worker, which ships the KV into the reservation; then decode."""
         decode, charge, reserve = reserved
         end.prefill_site = "remote"
@@ -291,7 +292,7 @@ class Orchestrator:
     # ---- one worker prefills and decodes -----------------------------------------------------
     def _whole(self, part: Job, worker: Worker, charge: Charge, scope: CallScope, end: Finished,
                kind: str, prefill_charge: Charge | None = None, fork_of: str = ""
-               ) -> Iterator[Tokens | Finished]:
+               ) -> Iterator[Tokens | Finished | Waiting]:
         """The whole generation on one worker: a colocated one, a decode worker prefilling the
         prompt itself (conditional disaggregation), or a sample of n forking from the first
         sample's prompt there (`fork_of`; its first chunk says whether it could). Its charges
@@ -315,7 +316,7 @@ class Orchestrator:
         try:
             for item in self._stream(part, site, message, scope, end,
                                      self._leading(part, worker, message, release)):
-                if not counted:
+                if not counted and item is not WAITING:
                     self.metrics.prefill_sites.labels(end.prefill_site, "sample of n").inc()
                     counted = True
                 done = isinstance(item, Finished)
@@ -328,7 +329,7 @@ class Orchestrator:
     # ---- shared ----------------------------------------------------------------------------
     def _stream(self, part: Job, site: StreamSite, message: pb.DecodeRequest,
                 scope: CallScope, end: Finished, on_first: Callable[[], None] | None = None
-                ) -> Iterator[Tokens | Finished]:
+                ) -> Iterator[Tokens | Finished | Waiting]:
         """The request's decode stream, following it wherever a live move takes it."""
         once = _Once(on_first)
         continuing = False
@@ -342,7 +343,7 @@ class Orchestrator:
 
     def _stream_once(self, part: Job, site: StreamSite, message: pb.DecodeRequest,
                      scope: CallScope, end: Finished, on_first: Callable[[], None],
-                     continuing: bool) -> Iterator[Tokens | Finished]:
+                     continuing: bool) -> Iterator[Tokens | Finished | Waiting]:
         """One Decode call's events; returns the cause of the move when it paused (else None)."""
         worker, rid = site.worker, part.worker_request_id
         self.streams.open(LiveStream(

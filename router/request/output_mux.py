@@ -11,16 +11,17 @@ router reads both the same way."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import grpc
 
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+from router.request.stream_driver import WAITING, Park, StreamDriver, Waiting, current_driver
 
 log = logging.getLogger(__name__)
 ATTACH_TIMEOUT_S = 5.0  # the worker answers an Outputs call with an empty message at once
@@ -44,13 +45,21 @@ class StreamError(grpc.RpcError):
 class MuxedDecode:
     """One request's chunks, read off its worker's Outputs stream until the one that finishes or
     pauses it; raises what ended it otherwise (its DecodeInto call's error, the stream's loss,
-    its deadline, a cancel)."""
+    its deadline, a cancel).
+
+    Read by a thread, `next` waits for the next chunk. Read under a StreamDriver
+    (router.request.stream_driver) it answers WAITING instead, the driver parks it, and the
+    next item resumes the driver: a token chunk on the reader thread that brought it, anything
+    else on a thread. A parked stream needs no timer: its DecodeInto call carries the request's
+    deadline, and that call's failure resumes it."""
 
     def __init__(self, mux: OutputMux, request_id: str, deadline: float):
         self._mux = mux
         self.request_id = request_id
         self._deadline = deadline  # time.monotonic()'s
-        self._items: queue.SimpleQueue[pb.TokenChunk | grpc.RpcError] = queue.SimpleQueue()
+        self._items: deque[pb.TokenChunk | grpc.RpcError] = deque()
+        self._ready = threading.Condition()
+        self._parked: StreamDriver | None = None
         self._future: Any = None
         self._ended = False
 
@@ -71,10 +80,30 @@ class MuxedDecode:
             self.fail(error)
 
     def put(self, chunk: pb.TokenChunk) -> None:
-        self._items.put(chunk)
+        """A chunk from the Outputs stream (its reader thread)."""
+        self._push(chunk, inline=_streams_on(chunk))
 
     def fail(self, error: grpc.RpcError) -> None:
-        self._items.put(error)
+        self._push(error, inline=False)
+
+    def _push(self, item: pb.TokenChunk | grpc.RpcError, inline: bool) -> None:
+        with self._ready:
+            self._items.append(item)
+            driver, self._parked = self._parked, None
+            if driver is None:
+                self._ready.notify()
+                return
+        driver.resume(inline)
+
+    def park(self, driver: StreamDriver) -> Park:
+        """After answering WAITING to `driver` (its generator is suspended now)."""
+        with self._ready:
+            if not self._items:
+                self._parked = driver
+                return Park.PARKED
+            if driver.inline and not _streams_on(self._items[0]):
+                return Park.ON_A_THREAD
+            return Park.READY
 
     def cancel(self) -> bool:
         self._mux.forget(self)
@@ -86,14 +115,12 @@ class MuxedDecode:
     def __iter__(self) -> MuxedDecode:
         return self
 
-    def __next__(self) -> pb.TokenChunk:
+    def __next__(self) -> pb.TokenChunk | Waiting:
         if self._ended:
             raise StopIteration
-        try:
-            item = self._items.get(timeout=self._left())
-        except queue.Empty:
-            item = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
-                               "passed")
+        item = self._next_item()
+        if item is WAITING:
+            return WAITING
         if isinstance(item, grpc.RpcError):
             self._end()
             if self._future is not None:
@@ -103,9 +130,30 @@ class MuxedDecode:
             self._end()
         return item
 
+    def _next_item(self) -> pb.TokenChunk | grpc.RpcError | Waiting:
+        driver = current_driver()
+        with self._ready:
+            if driver is not None:
+                if not self._items or (driver.inline and not _streams_on(self._items[0])):
+                    driver.waiting_on = self
+                    return WAITING
+                return self._items.popleft()
+            while not self._items:
+                left = self._left()
+                if left <= 0 or not self._ready.wait(left) and not self._items:
+                    return StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's "
+                                       "deadline passed")
+            return self._items.popleft()
+
     def _end(self) -> None:
         self._ended = True
         self._mux.forget(self)
+
+
+def _streams_on(item: pb.TokenChunk | grpc.RpcError) -> bool:
+    """A chunk whose handling cannot block: tokens, with no finish and no pause."""
+    return (isinstance(item, pb.TokenChunk) and not item.paused
+            and item.finish_reason == pb.FINISH_REASON_UNSPECIFIED)
 
 
 class OutputMux:

@@ -27,6 +27,7 @@ from router.fleet.registry import Role, Worker
 from router.request.calls import CallScope, RouterError
 from router.request.events import Finished, Tokens, decode_events
 from router.request.output_mux import StreamError
+from router.request.stream_driver import WAITING, StreamDriver
 from router.request.worker_client import WorkerStubs
 from serving.options import WorkerOptions
 
@@ -137,6 +138,53 @@ def test_the_router_reads_its_streams_off_one_outputs_stream(served, workload_pr
         t.join(60)
     assert got == {i: per_request_stream(served, f"rr{i}", p) for i, p in enumerate(prompts)}
     assert len(stubs._muxes) == 1
+    served.wait_all_free()
+
+
+class Driven:
+    """A request read the way the HTTP front door reads it: its events driven by a
+    StreamDriver, the thread of each delivery noted."""
+
+    def __init__(self, served: Served, rid: str, prompt: list[int], params: SamplingParams):
+        message = decode_request(rid, prompt, params)
+        self.call = WorkerStubs().decode_stream(served.as_router_sees_it, message, 60)
+        self.tokens: list[tuple[int, str]] = []
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+        events = decode_events("colocated-0", self.call, message, CallScope(60),
+                               Finished(0, ""), None)
+        StreamDriver(events, self._deliver, self._end, f"driven-{rid}").start()
+
+    def _deliver(self, event: Tokens | Finished) -> None:
+        if isinstance(event, Tokens):
+            here = threading.current_thread().name
+            self.tokens.extend((t, here) for t in event.token_ids)
+
+    def _end(self, error: BaseException | None) -> None:
+        self.error = error
+        self.ended.set()
+
+
+def test_driven_requests_stream_on_the_outputs_reader_with_no_thread_of_their_own(
+        served, workload_prompts):
+    prompts = [p[:35 + 6 * i] for i, p in enumerate(workload_prompts[12:15])]
+    runs = [Driven(served, f"v{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    for run in runs:
+        assert run.ended.wait(60) and run.error is None
+    for i, (run, prompt) in enumerate(zip(runs, prompts)):
+        assert [t for t, _ in run.tokens] == per_request_stream(served, f"vr{i}", prompt)
+        threads = {name for _, name in run.tokens[1:-1]}  # between its first and its last
+        assert threads == {"outputs-colocated-0"}
+    assert WAITING not in [t for run in runs for t, _ in run.tokens]
+    served.wait_all_free()
+
+
+def test_cancelling_a_driven_request_while_it_waits_frees_its_blocks(served, workload_prompts):
+    run = Driven(served, "vc", workload_prompts[15][:30], LONG)
+    wait_until(lambda: len(run.tokens) >= 3, "tokens streaming")
+    run.call.cancel()
+    assert run.ended.wait(30)
+    assert isinstance(run.error, RouterError) and run.error.code is grpc.StatusCode.CANCELLED
     served.wait_all_free()
 
 
