@@ -58,6 +58,8 @@ MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router
 STREAMING = web.RequestKey("streaming", bool)  # set on a request once its stream's status is out
 JSON_TYPE = re.compile(r"application/([\w.+-]+\+)?json")
 START_TIMEOUT_S = 30.0
+# past a request's deadline, when its own calls to the workers have surely failed it already
+EXPIRY_MARGIN_S = 2.0
 DONE = object()  # the end of a request's responses
 
 
@@ -247,10 +249,19 @@ class HttpApi:
                                          lambda job: put(Accepted(job.token_ids)),
                                          rest_of_context=rest_of_context, fork=fork)
         StreamDriver(responses, put, end, f"http-{request.request_id}").start()
-        while (item := await queue.get()) is not DONE:
-            yield item
-            if isinstance(item, RouterError):
-                return
+        # A parked stream has no thread waiting with a timeout: whatever it waits on (a last
+        # chunk that never came), the request ends at its deadline, and the handler's cleanup
+        # cancels its scope, which unwinds it on the workers.
+        expiry = asyncio.get_running_loop().call_at(
+            scope.deadline + EXPIRY_MARGIN_S, queue.put_nowait,
+            RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
+        try:
+            while (item := await queue.get()) is not DONE:
+                yield item
+                if isinstance(item, RouterError):
+                    return
+        finally:
+            expiry.cancel()
 
     async def _json_reply(self, api: wire.ApiRequest, choices: list[Choice],
                           done: Callable[[], None]) -> web.Response:

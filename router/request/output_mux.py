@@ -50,8 +50,10 @@ class MuxedDecode:
     Read by a thread, `next` waits for the next chunk. Read under a StreamDriver
     (router.request.stream_driver) it answers WAITING instead, the driver parks it, and the
     next item resumes the driver: a token chunk on the reader thread that brought it, anything
-    else on a thread. A parked stream needs no timer: its DecodeInto call carries the request's
-    deadline, and that call's failure resumes it."""
+    else on a thread. A parked stream has no timer: its DecodeInto call carries the request's
+    deadline, and that call's failure resumes it; but a last chunk lost after DecodeInto
+    answered would leave it parked, so whoever drives it also ends the request at its deadline
+    (the HTTP front door does)."""
 
     def __init__(self, mux: OutputMux, request_id: str, deadline: float):
         self._mux = mux

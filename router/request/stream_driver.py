@@ -74,11 +74,15 @@ class StreamDriver(Generic[T]):
 
     def resume(self, inline: bool) -> None:
         """The parked stream has an item: go on on this thread when `inline` (a token chunk,
-        handed over by the thread that must not block), else on a thread of its own."""
-        if inline:
-            self._pump(True)
-        else:
-            self.start()
+        handed over by the thread that must not block), else on a thread of its own. Never
+        raises: the thread handing the item over serves other requests too."""
+        try:
+            if inline:
+                self._pump(True)
+            else:
+                self.start()
+        except Exception:  # noqa: BLE001 - e.g. no thread could start; its deadline ends it
+            log.exception("resuming the responses of %s failed", self._name)
 
     def _pump(self, inline: bool) -> None:
         with self._lock:
@@ -104,8 +108,7 @@ class StreamDriver(Generic[T]):
                 try:
                     self._deliver(item)
                 except Exception as exc:  # noqa: BLE001 - nobody to deliver to: stop it
-                    self._responses.close()
-                    self._finish(exc)
+                    self._stop(exc)
                     return
                 continue
             if not self._park():
@@ -115,13 +118,31 @@ class StreamDriver(Generic[T]):
         """After WAITING: False when this pump is done (parked, or gone on on a thread)."""
         stream = self.waiting_on
         if stream is None:  # a bug: nothing would ever resume it
-            self._responses.close()
-            self._finish(RuntimeError("a request's stream answered WAITING but cannot park"))
+            self._stop(RuntimeError("a request's stream answered WAITING but cannot park"))
             return False
         parked = stream.park(self)
         if parked is Park.ON_A_THREAD:
             self.start()
         return parked is Park.READY
+
+    def _stop(self, error: BaseException) -> None:
+        """Close the responses (their cleanup may block: not on the thread that must not)."""
+        if self.inline:
+            threading.Thread(target=self._stop_on_a_thread, args=(error,), name=self._name,
+                             daemon=True).start()
+        else:
+            self._stop_here(error)
+
+    def _stop_on_a_thread(self, error: BaseException) -> None:
+        with self._lock:  # once the inline pump that asked for it has let go
+            self._stop_here(error)
+
+    def _stop_here(self, error: BaseException) -> None:
+        try:
+            self._responses.close()
+        except Exception:  # noqa: BLE001 - its end is what matters now
+            log.exception("closing the responses of %s failed", self._name)
+        self._finish(error)
 
     def _finish(self, error: BaseException | None) -> None:
         try:

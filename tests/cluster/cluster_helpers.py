@@ -97,8 +97,9 @@ def router_ca(cluster: LocalCluster) -> bytes | None:
     return Path(cluster.spec.tls_ca).read_bytes() if cluster.spec.tls_ca else None
 
 
-def wait_blocks_free(cluster: LocalCluster, timeout_s: float = 15.0) -> list[pb.WorkerStatus]:
-    """Wait until every worker reports all its KV blocks free (heartbeats lag a little)."""
+def wait_blocks_free(cluster: LocalCluster, timeout_s: float = 60.0) -> list[pb.WorkerStatus]:
+    """Wait until every worker reports all its KV blocks free (heartbeats lag a little, and an
+    aborted prefill chunk frees its blocks only when its step ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
         workers = list(cluster.status().workers)

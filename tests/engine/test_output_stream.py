@@ -32,6 +32,8 @@ from router.request.worker_client import WorkerStubs
 from serving.options import WorkerOptions
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# long enough that four requests sent together surely run together for a while
+TOGETHER = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
@@ -83,9 +85,10 @@ def decode_request(rid: str, prompt: list[int], params: SamplingParams) -> pb.De
                             sampling=sampling_to_proto(params))
 
 
-def per_request_stream(served: Served, rid: str, prompt: list[int]) -> list[int]:
+def per_request_stream(served: Served, rid: str, prompt: list[int],
+                       params: SamplingParams = GREEDY) -> list[int]:
     with channel(served.address) as ch:
-        chunks = pb_grpc.DecodeWorkerStub(ch).Decode(decode_request(rid, prompt, GREEDY),
+        chunks = pb_grpc.DecodeWorkerStub(ch).Decode(decode_request(rid, prompt, params),
                                                      timeout=60)
         return [t for chunk in chunks for t in chunk.token_ids]
 
@@ -96,7 +99,7 @@ def test_each_request_gets_its_own_tokens_a_step_per_message(served, workload_pr
         stub = pb_grpc.DecodeWorkerStub(ch)
         batches = stub.Outputs(pb.OutputsRequest(session_id="s1"), timeout=60)
         assert not next(batches).chunks  # open
-        messages = [decode_request(f"m{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        messages = [decode_request(f"m{i}", p, TOGETHER) for i, p in enumerate(prompts)]
         for message in messages:
             message.output_session = "s1"
         calls = [stub.DecodeInto.future(message, timeout=60) for message in messages]
@@ -114,7 +117,8 @@ def test_each_request_gets_its_own_tokens_a_step_per_message(served, workload_pr
         for call in calls:
             call.result(timeout=30)  # answered once the last chunk was queued
         batches.cancel()
-    expected = {f"m{i}": per_request_stream(served, f"ref{i}", p) for i, p in enumerate(prompts)}
+    expected = {f"m{i}": per_request_stream(served, f"ref{i}", p, TOGETHER)
+                for i, p in enumerate(prompts)}
     assert got == expected
     assert max(sizes) == len(prompts)  # the four running together shared a message
     assert len(sizes) < sum(len(t) for t in got.values())
@@ -237,6 +241,8 @@ def test_a_worker_aborts_the_requests_of_an_outputs_stream_that_ended(served,
 
 def test_a_short_deadline_ends_the_request_on_both_sides(served, workload_prompts):
     stubs = WorkerStubs()
+    # The stream opens first: the request's 0.5 s is not spent on the connection.
+    assert stubs._mux(served.as_router_sees_it).attach(30)
     call = stubs.decode_stream(served.as_router_sees_it,
                                decode_request("d1", workload_prompts[9][:30], LONG), 0.5)
     with pytest.raises(grpc.RpcError) as failed:

@@ -19,6 +19,7 @@ from router.frontdoor.http_api import MAX_BODY_BYTES, HttpApi
 from router.frontdoor.request_log import RequestLog, RequestRecord
 from router.metrics import RouterMetrics
 from router.request.calls import CallScope, RouterError
+from router.request.stream_driver import WAITING, Park, current_driver
 
 MODEL = "tiny"
 
@@ -38,6 +39,7 @@ class FakeServicer:
         self.hold = threading.Event()
         self.hold.set()
         self.fail: Exception | None = None
+        self.park_forever = False
         self.seen: list[pb.GenerateRequest] = []
 
     def stream(self, request: pb.GenerateRequest, scope: CallScope, record: RequestRecord,
@@ -55,6 +57,12 @@ class FakeServicer:
             record.failed(grpc.StatusCode.INTERNAL, repr(self.fail))
             raise self.fail
         yield pb.GenerateResponse(token_ids=[7], text="a")
+        if self.park_forever:  # a decode stream whose last chunk never comes
+            driver = current_driver()
+            assert driver is not None  # the front door drives its requests
+            driver.waiting_on = SimpleNamespace(park=lambda driver: Park.PARKED)
+            yield WAITING
+            raise AssertionError("nothing resumes it")
         yield pb.GenerateResponse(token_ids=[8, 9], text="bc")
         record.code = grpc.StatusCode.OK
         yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(
@@ -206,3 +214,16 @@ def test_a_body_that_cannot_be_read_is_a_400_and_a_bug_a_500_in_openais_shape(se
     error = json.loads(data)["error"]
     assert status == 500 and error["type"] == "server_error" and "a bug" in error["message"]
     assert counted(servicer, "INTERNAL") == before + 1
+
+
+def test_a_request_whose_stream_never_ends_ends_at_its_deadline(served):
+    servicer, address = served
+    servicer.park_forever = True
+    try:
+        before = counted(servicer, "DEADLINE_EXCEEDED")
+        status, body = post(address, {"model": MODEL, "prompt": "hi", "max_tokens": 3},
+                            **{"X-Request-Timeout": "1"})
+    finally:
+        servicer.park_forever = False
+    assert status == 504 and "deadline" in body["error"]["message"]
+    assert counted(servicer, "DEADLINE_EXCEEDED") == before + 1

@@ -5,6 +5,7 @@ deadline (router.request.calls.LostWorkers, CallScope.watching)."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -93,7 +94,13 @@ def test_a_unary_call_hanging_on_a_silent_worker_is_abandoned() -> None:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             method = channel.unary_unary("/test.Silent/Hang")
             scope = CallScope(60.0, LostWorkers())
-            threading.Timer(0.3, scope.lost.abandon, ("prefill-0",)).start()
+            def abandon_once_in_flight() -> None:  # not before the call is watched
+                deadline = time.monotonic() + 30
+                while scope.lost.in_flight("prefill-0") == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                scope.lost.abandon("prefill-0")
+
+            threading.Thread(target=abandon_once_in_flight, daemon=True).start()
             with pytest.raises(RouterError) as info:
                 scope.unary(method, b"", "prefill", "prefill-0")
             assert info.value.retryable and info.value.suspect == "prefill-0"

@@ -149,10 +149,11 @@ def _queue_three(admission: Admission, costs: list[int], clock: _Clock) -> list[
         while admission.queued < len(threads):
             time.sleep(0.005)
         clock.now += 1.0  # each waits one clock second longer than the next
-    for _ in costs:
-        admission.leave()
-        deadline = time.monotonic() + 5
-        while len(order) < len(costs) - admission.queued and time.monotonic() < deadline:
+    for admitted in range(1, len(costs) + 1):
+        admission.leave()  # one slot at a time: the next leaves once this one is taken
+        deadline = time.monotonic() + 30
+        while len(order) < admitted:
+            assert time.monotonic() < deadline, f"request {admitted} was never admitted"
             time.sleep(0.005)
     for t in threads:
         t.join(5)

@@ -49,6 +49,7 @@ class Recorded:
                 yield WAITING if chunk is WAITING else list(chunk.token_ids)
         finally:
             self.cleaned_up = True
+            self.cleanup_thread = threading.current_thread().name
 
     def _deliver(self, item: list[int]) -> None:
         self.items.append((item, threading.current_thread().name))
@@ -132,6 +133,25 @@ def test_a_delivery_that_fails_closes_the_responses():
     run.driver = StreamDriver(run._responses(), refuse, run._end, "driven")
     run.driver.start()
     wait_until(lambda: parked(call), "the stream parked")
-    call.put(tokens(1))  # handed over on this thread, and this thread goes on
-    assert run.ended.is_set() and isinstance(run.error, RuntimeError)
-    assert run.cleaned_up
+    call.put(tokens(1))  # handed over on this thread, which goes on: the cleanup runs apart
+    assert run.ended.wait(30) and isinstance(run.error, RuntimeError)
+    assert run.cleaned_up and run.cleanup_thread != threading.current_thread().name
+
+
+def test_a_delivery_that_fails_on_its_own_thread_ends_there():
+    ended: list[BaseException | None] = []
+    closed = threading.Event()
+
+    def responses() -> Iterator[int]:
+        try:
+            yield 1
+        finally:
+            closed.set()
+
+    def refuse(item: int) -> None:
+        raise RuntimeError("the event loop is closed")
+
+    StreamDriver(responses(), refuse, ended.append, "driven").start()
+    assert closed.wait(30)  # no deadlock on its own lock
+    wait_until(lambda: len(ended) == 1, "its end")
+    assert isinstance(ended[0], RuntimeError)
