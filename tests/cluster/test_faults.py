@@ -109,6 +109,24 @@ def _prefilling_worker(cluster) -> str:
     return found[0]
 
 
+def _wait_not_serving(address: str) -> None:
+    """Until the server's health says NOT_SERVING, or it is gone already (a drain with little to
+    do may finish before the first look)."""
+
+    def not_serving() -> bool:
+        try:
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status \
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                return True
+            raise
+
+    with channel(address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        wait_until(not_serving, 30.0, "NOT_SERVING")
+
+
 def _wait_dropped(cluster, worker_id: str) -> None:
     """The router forgets a dead worker after its heartbeat timeout (plus a reaper tick; the
     margin is for a loaded machine)."""
@@ -198,11 +216,10 @@ def test_sigterm_drains_a_decode_worker(cluster, stub, reference):
     victim = _busy_worker(cluster, pb.WORKER_ROLE_DECODE, "running_requests")
     address = worker_status(cluster, victim).address
     process = cluster.signal(victim, signal.SIGTERM)
-    with channel(address) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                   == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, "NOT_SERVING")
-    wait_until(lambda: worker_status(cluster, victim).draining, 5.0, "the router to know")
+    _wait_not_serving(address)
+    # Drained (or already gone, its stream moved): the router knows either way.
+    wait_until(lambda: (status := worker_status(cluster, victim)) is None or status.draining,
+               30.0, "the router to know")
     # New work goes to the other decode worker; the old stream moves there with its KV (live
     # migration: tests/cluster/test_live_migration.py checks the move itself).
     assert stream_tokens(cluster.address, greedy_request(SHORT_PROMPT, 6))[0] == \
@@ -231,10 +248,7 @@ def test_with_no_decode_worker_left_the_request_fails_unavailable(cluster, stub)
 def test_sigterm_drains_the_router(cluster, stub, reference):
     call, seen = _stream_until(stub, greedy_request(SHORT_PROMPT, 60), 2)
     router = cluster.signal("router", signal.SIGTERM)
-    with channel(cluster.address) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                   == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0, "NOT_SERVING")
+    _wait_not_serving(cluster.address)
     with pytest.raises(grpc.RpcError) as refused:
         stream_tokens(cluster.address, greedy_request(SHORT_PROMPT, 4), timeout_s=10)
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
