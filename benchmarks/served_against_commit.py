@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.common import write_json
 from benchmarks.kv_transfer import cpu_model
+from benchmarks.served_thread_cpu import API_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("worker_messaging_s", "router_s", "client_s")
@@ -75,7 +76,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> list[str]:
-    api = {"grpc": "gRPC", "http": "HTTP"}[report.get("api", "grpc")]
+    api = API_NAMES[report.get("api", "grpc")]
     lines = [f"Machine: {report['machine']}; {report['dtype']}; {report['concurrency']} {api} "
              f"streams; medians over {len(report['runs']['this'])} runs per tree.", "",
              "| tree | ITL p50 ms | worker messaging µs/token | router µs/token | "
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per child")
-    p.add_argument("--api", default="grpc", choices=["grpc", "http"])
+    p.add_argument("--api", default="grpc", choices=sorted(API_NAMES))
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args(argv)
     for name in ("rounds", "runs", "concurrency"):
