@@ -25,7 +25,8 @@ MAX_SESSION_ID = 64
 Item = RequestOutput | Paused
 
 
-def _ends(item: Item) -> bool:
+def ends_request(item: Item) -> bool:
+    """A finished or paused output: its request's last here."""
     return isinstance(item, Paused) or item.finished
 
 
@@ -52,7 +53,7 @@ class QueueSink:
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if _ends(item):
+            if ends_request(item):
                 return
 
 
@@ -67,7 +68,7 @@ class Sent:
 
 class SessionSink:
     """One request's outputs into its router's session; its DecodeInto handler waits for the
-    end (finished, paused or failed)."""
+    end: the last chunk (finished or paused) sent, or the request failed."""
 
     def __init__(self, session: OutputSession, request_id: str):
         self.session = session
@@ -77,6 +78,7 @@ class SessionSink:
         self.paused = False
         self.error: BaseException | None = None
         self._ended = threading.Event()
+        self._bound = True
         self._last_output = time.monotonic()
 
     def note_admission(self, seconds: float) -> None:
@@ -90,31 +92,42 @@ class SessionSink:
             self.fail(item)
             return
         self.paused = isinstance(item, Paused)
-        self.session.push(Sent(self.request_id, item, self), wake=_ends(item))
-        if _ends(item):
-            self._end()
+        if ends_request(item):
+            self._unbind()  # it is over on the worker: a closing session need not abort it
+            self.session.push_last(Sent(self.request_id, item, self))
+        else:
+            self.session.push(Sent(self.request_id, item, self))
+
+    def delivered(self) -> None:
+        """The sender handed the last chunk to the router's stream: the request has ended."""
+        self.session.forget_last(self)
+        self._ended.set()
 
     def fail(self, error: BaseException) -> None:
         """End the request with `error` (its handler raises it): the engine failed it, or the
         session could not send its output."""
+        if self._ended.is_set():
+            return
         self.error = error
-        self._end()
-
-    def _end(self) -> None:
-        self.session.unbind(self.request_id)
+        self._unbind()
+        self.session.forget_last(self)
         self._ended.set()
+
+    def _unbind(self) -> None:
+        if self._bound:
+            self._bound = False
+            self.session.unbind(self.request_id)
 
     def detach(self) -> None:
         """The request never started (its call was refused): forget it."""
-        self.session.unbind(self.request_id)
+        self._unbind()
 
     def wait(self) -> None:
-        """Until the request ends here: returns once its last chunk is queued (it finished or
+        """Until the request ends here: returns once its last chunk was sent (it finished or
         paused); raises its error, or TimeoutError when it produced nothing for too long."""
         while not self._ended.wait(min(STALL_TIMEOUT_S, 5.0)):
             if time.monotonic() - self._last_output >= STALL_TIMEOUT_S:
-                self.session.unbind(self.request_id)
-                raise TimeoutError(f"no output for {STALL_TIMEOUT_S:.0f}s")
+                self.fail(TimeoutError(f"no output for {STALL_TIMEOUT_S:.0f}s"))
         if self.error is not None:
             raise self.error
 
@@ -127,6 +140,7 @@ class OutputSession:
         self.session_id = session_id
         self._pending: list[Sent] = []
         self._bound: set[str] = set()
+        self._unsent_last: set[SessionSink] = set()  # last chunks queued, not yet sent
         self._ready = False  # a step ended (or a request did) since the sender last took
         self._closed = False
         self._cond = threading.Condition()
@@ -143,16 +157,28 @@ class OutputSession:
         with self._cond:
             self._bound.discard(request_id)
 
-    def push(self, sent: Sent, wake: bool) -> None:
-        """Queue an output; `wake` the sender now (a request's last output), else it waits for
-        the step's end (`wake`)."""
+    def push(self, sent: Sent) -> None:
+        """Queue an output; the sender takes it at the step's end (`wake`)."""
         with self._cond:
-            if self._closed:
-                return  # its request is being aborted
-            self._pending.append(sent)
-            if wake:
+            if not self._closed:  # else its request is being aborted
+                self._pending.append(sent)
+
+    def push_last(self, sent: Sent) -> None:
+        """Queue a request's last output and wake the sender now; its sink ends once the
+        sender sent it (`SessionSink.delivered`), or fails if the session closes first."""
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._pending.append(sent)
+                self._unsent_last.add(sent.sink)
                 self._ready = True
                 self._cond.notify()
+        if closed:
+            sent.sink.fail(_closed_before_sent(sent.request_id))
+
+    def forget_last(self, sink: SessionSink) -> None:
+        with self._cond:
+            self._unsent_last.discard(sink)
 
     def wake(self) -> None:
         """The step's outputs are all queued: send them."""
@@ -174,13 +200,22 @@ class OutputSession:
             return taken
 
     def close(self) -> list[str]:
-        """End the session: the requests still bound to it (their router went away)."""
+        """End the session: the requests still bound to it (their router went away). A last
+        chunk it never sent fails its request's wait."""
         with self._cond:
             self._closed = True
             self._pending = []
             bound, self._bound = sorted(self._bound), set()
+            unsent, self._unsent_last = list(self._unsent_last), set()
             self._cond.notify_all()
-            return bound
+        for sink in unsent:
+            sink.fail(_closed_before_sent(sink.request_id))
+        return bound
+
+
+def _closed_before_sent(request_id: str) -> RuntimeError:
+    return RuntimeError(f"the output session closed before request {request_id}'s last chunk "
+                        "was sent")
 
 
 class OutputSessions:

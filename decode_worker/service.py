@@ -16,7 +16,13 @@ from common.convert import (
 )
 from common.grpc_server import MAX_MESSAGE_BYTES
 from decode_worker.departures import Paused
-from decode_worker.output_sessions import OutputSession, QueueSink, Sent
+from decode_worker.output_sessions import (
+    OutputSession,
+    QueueSink,
+    Sent,
+    SessionSink,
+    ends_request,
+)
 from decode_worker.worker import DecodeWorker, NoRoom, OutputSink
 from engine.engine import RequestOutput
 from kv_transfer import TransferDescriptor, TransferError
@@ -198,28 +204,48 @@ def _end_failed(context: grpc.ServicerContext, request_id: str, exc: BaseExcepti
 
 def _batches(taken: list[Sent]) -> Iterator[pb.OutputBatch]:
     """A step's outputs as messages below the router's receive limit; a request whose chunk
-    cannot go fails alone (its DecodeInto call says why), not the session."""
+    cannot go fails alone (its DecodeInto call says why), not the session. A request's last
+    chunk ends its DecodeInto call once the message carrying it was handed to the stream."""
     parts: list[pb.RequestChunk] = []
+    ending: list[SessionSink] = []
     size = 0
     for sent in taken:
-        try:
-            part = _request_chunk(sent)
-        except Exception as exc:  # noqa: BLE001 - its own request's failure, reported on its call
-            sent.sink.fail(RuntimeError(f"its output could not be encoded: {exc!r}"))
+        part = _sendable_chunk(sent)
+        if part is None:
             continue
         part_size = part.ByteSize()
-        if part_size > BATCH_BYTES:
-            sent.sink.fail(OutputTooLarge(
-                f"a chunk of request {sent.request_id} is {part_size} bytes, over the "
-                f"{BATCH_BYTES}-byte message limit (prompt_logprobs of a long prompt?)"))
-            continue
         if parts and size + part_size > BATCH_BYTES:
             yield pb.OutputBatch(chunks=parts)
-            parts, size = [], 0
+            _delivered(ending)
+            parts, ending, size = [], [], 0
         parts.append(part)
         size += part_size
+        if ends_request(sent.item):
+            ending.append(sent.sink)
     if parts:
         yield pb.OutputBatch(chunks=parts)
+        _delivered(ending)
+
+
+def _sendable_chunk(sent: Sent) -> pb.RequestChunk | None:
+    """`sent` encoded, or None with its request failed: it cannot be encoded, or it is larger
+    than one message may be."""
+    try:
+        part = _request_chunk(sent)
+    except Exception as exc:  # noqa: BLE001 - its own request's failure, reported on its call
+        sent.sink.fail(RuntimeError(f"its output could not be encoded: {exc!r}"))
+        return None
+    if part.ByteSize() > BATCH_BYTES:
+        sent.sink.fail(OutputTooLarge(
+            f"a chunk of request {sent.request_id} is {part.ByteSize()} bytes, over the "
+            f"{BATCH_BYTES}-byte message limit (prompt_logprobs of a long prompt?)"))
+        return None
+    return part
+
+
+def _delivered(sinks: list[SessionSink]) -> None:
+    for sink in sinks:
+        sink.delivered()
 
 
 def _request_chunk(sent: Sent) -> pb.RequestChunk:

@@ -115,7 +115,7 @@ def test_each_request_gets_its_own_tokens_a_step_per_message(served, workload_pr
                 if part.chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     ended.add(part.request_id)
         for call in calls:
-            call.result(timeout=30)  # answered once the last chunk was queued
+            call.result(timeout=30)  # answered once its last chunk was sent
         batches.cancel()
     expected = {f"m{i}": per_request_stream(served, f"ref{i}", p, TOGETHER)
                 for i, p in enumerate(prompts)}
@@ -236,6 +236,24 @@ def test_a_worker_aborts_the_requests_of_an_outputs_stream_that_ended(served,
         with pytest.raises(grpc.RpcError) as failed:
             call.result(timeout=30)
         assert failed.value.code() is grpc.StatusCode.ABORTED
+    served.wait_all_free()
+
+
+def test_a_last_chunk_too_large_to_send_fails_its_request_at_once(served, workload_prompts,
+                                                                  monkeypatch):
+    from decode_worker import service
+
+    # The first chunk carries the prompt's logprobs; with one token it is also the last.
+    monkeypatch.setattr(service, "BATCH_BYTES", 2000)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=5)
+    call = WorkerStubs().decode_stream(
+        served.as_router_sees_it, decode_request("big", workload_prompts[16][:60], params), 60)
+    with pytest.raises(grpc.RpcError) as failed:
+        for _ in call:
+            pass
+    # not DEADLINE_EXCEEDED: the worker's answer says why, it does not wait out the deadline
+    assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "a chunk of request big is" in failed.value.details()
     served.wait_all_free()
 
 

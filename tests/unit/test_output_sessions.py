@@ -38,29 +38,53 @@ def test_a_steps_outputs_wait_for_its_end_and_leave_together():
     assert [(s.request_id, s.item.new_token_ids) for s in taken[0]] == [("a", [7]), ("b", [8])]
 
 
-def test_a_requests_last_output_wakes_the_sender_and_ends_its_wait():
+def test_a_requests_last_output_wakes_the_sender_and_its_wait_ends_once_sent():
+    from decode_worker import service
+
     session = OutputSession("s")
     sink = session.bind("a")
     sink.note_admission(0.25)
-    ended = threading.Event()
-    threading.Thread(target=lambda: (sink.wait(), ended.set()), daemon=True).start()
+    waiter = threading.Thread(target=sink.wait, daemon=True)
+    waiter.start()
     sink.put(output("a", [5, 6], finished=True))
     taken = session.take(5.0)
     assert taken is not None and [s.request_id for s in taken] == ["a"]
     assert taken[0].sink.admission_s == 0.25
-    assert ended.wait(5.0)
-    assert session.close() == []  # it ended: nothing is left to abort
+    waiter.join(0.2)
+    assert waiter.is_alive()  # queued is not sent: DecodeInto answers after the message
+    assert len(list(service._batches(taken))) == 1
+    waiter.join(5.0)
+    assert not waiter.is_alive() and sink.error is None
+    assert session.close() == []  # it finished: nothing is left to abort
 
 
-def test_a_paused_request_ends_its_wait_and_is_not_aborted_with_the_session():
+def test_a_paused_request_ends_its_wait_once_sent_and_is_not_aborted_with_the_session():
+    from decode_worker import service
+
     session = OutputSession("s")
     sink = session.bind("a")
     sink.put(Paused("a"))
-    sink.wait()
     assert sink.paused
     taken = session.take(5.0)
     assert taken is not None and isinstance(taken[0].item, Paused)
+    list(service._batches(taken))
+    sink.wait()
     assert session.close() == []
+
+
+def test_a_last_chunk_the_session_never_sent_fails_its_wait():
+    session = OutputSession("s")
+    sink = session.bind("a")
+    sink.put(output("a", [5, 6], finished=True))
+    assert session.close() == []
+    with pytest.raises(RuntimeError, match="closed before request a's last chunk was sent"):
+        sink.wait()
+    late = OutputSession("t")
+    after_close = late.bind("b")
+    late.close()
+    after_close.put(output("b", [7], finished=True))  # the session closed under it
+    with pytest.raises(RuntimeError, match="closed before request b's last chunk"):
+        after_close.wait()
 
 
 def test_a_failed_request_raises_in_its_wait_and_sends_nothing():
@@ -80,7 +104,7 @@ def test_closing_names_the_requests_still_bound_and_ends_the_sender():
     refused.detach()
     assert session.close() == ["a", "b"]
     assert session.take(5.0) is None
-    session.push(output_sessions.Sent("a", output("a", [5, 6]), refused), wake=True)
+    session.push(output_sessions.Sent("a", output("a", [5, 6]), refused))
     assert session.take(0.0) is None  # outputs after the close go nowhere
     with pytest.raises(ValueError, match="closed"):
         session.bind("d")
@@ -130,17 +154,20 @@ def test_a_steps_chunks_split_below_the_message_limit_and_an_oversized_one_fails
     session = OutputSession("s")
     sinks = {rid: session.bind(rid) for rid in ("a", "b", "c", "big")}
     monkeypatch.setattr(service, "BATCH_BYTES", 20)  # two 8-byte chunks fit, not three
-    taken = [output_sessions.Sent(rid, output(rid, [5, 6]), sinks[rid]) for rid in ("a", "b")]
-    huge = output("big", [7])  # a first chunk: its prompt's logprobs go with it
+    for rid in ("a", "b"):
+        sinks[rid].put(output(rid, [5, 6]))
+    huge = output("big", [7], finished=True)  # a first chunk: its prompt's logprobs go with it
     huge.prompt_token_ids = [1, 2, 3, 4]
     huge.prompt_logprobs = [None] + [{t: -0.5 * t for t in range(2, 12)}] * 3
-    taken += [output_sessions.Sent("big", huge, sinks["big"]),
-              output_sessions.Sent("c", output("c", [8]), sinks["c"])]
+    sinks["big"].put(huge)  # its last: queued, but the sender cannot send it
+    sinks["c"].put(output("c", [8]))
+    taken = session.take(5.0)
+    assert taken is not None
     batches = list(service._batches(taken))
     assert [[part.request_id for part in b.chunks] for b in batches] == [["a", "b"], ["c"]]
     assert all(b.ByteSize() <= 20 for b in batches)
     with pytest.raises(service.OutputTooLarge, match="a chunk of request big is"):
-        sinks["big"].wait()
+        sinks["big"].wait()  # its call says why, not a success with the chunk lost
     assert session.close() == ["a", "b", "c"]  # the others go on
 
 
