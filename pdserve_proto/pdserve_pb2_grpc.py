@@ -630,9 +630,11 @@ class DecodeWorkerServicer:
 
     def DecodeInto(self, request, context):
         """Decode, with the request's chunks sent on the Outputs stream named by `output_session`
-        instead of on this call. It answers once the request's last chunk (finished, or `paused`)
-        is queued on that stream, and fails as Decode would (FAILED_PRECONDITION: no such session is
-        open). Cancelling it aborts the request, as cancelling Decode does.
+        instead of on this call. It answers once the message carrying the request's last chunk
+        (finished, or `paused`) was sent on that stream, and fails as Decode would
+        (FAILED_PRECONDITION: no such session is open; RESOURCE_EXHAUSTED: a chunk larger than one
+        message; ABORTED: the stream ended before the last chunk went). Cancelling it aborts the
+        request, as cancelling Decode does.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
