@@ -79,6 +79,9 @@ class SessionSink:
         self.error: BaseException | None = None
         self._ended = threading.Event()
         self._bound = True
+        # `put` runs on the loop thread, `fail` on the sender's or the handler's: each end and
+        # each unbind happens once
+        self._lock = threading.Lock()
         self._last_output = time.monotonic()
 
     def note_admission(self, seconds: float) -> None:
@@ -86,7 +89,7 @@ class SessionSink:
 
     def put(self, item: Item | BaseException) -> None:
         if self._ended.is_set():
-            return  # failed by the sender already (`fail`)
+            return  # failed already (`fail`): its sender skips whatever else it queued
         self._last_output = time.monotonic()
         if isinstance(item, BaseException):
             self.fail(item)
@@ -101,21 +104,28 @@ class SessionSink:
     def delivered(self) -> None:
         """The sender handed the last chunk to the router's stream: the request has ended."""
         self.session.forget_last(self)
-        self._ended.set()
+        with self._lock:
+            self._ended.set()
 
     def fail(self, error: BaseException) -> None:
-        """End the request with `error` (its handler raises it): the engine failed it, or the
-        session could not send its output."""
-        if self._ended.is_set():
-            return
-        self.error = error
+        """End the request with `error` (its handler raises it): the engine failed it, the
+        session could not send its output, or its call ended. Nothing of it is sent after."""
+        with self._lock:
+            if self._ended.is_set():
+                return
+            self.error = error
+            self._ended.set()
         self._unbind()
         self.session.forget_last(self)
-        self._ended.set()
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def _unbind(self) -> None:
-        if self._bound:
-            self._bound = False
+        with self._lock:
+            bound, self._bound = self._bound, False
+        if bound:
             self.session.unbind(self.request_id)
 
     def detach(self) -> None:

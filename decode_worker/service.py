@@ -93,8 +93,7 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except BaseException:
             sink.detach()
             raise
-        if not context.add_callback(
-                lambda: None if sink.paused else self.worker.abort_later(rid)):
+        if not context.add_callback(lambda: self._call_ended(sink)):
             self.worker.abort_later(rid)  # the call ended already (cancelled, deadline)
             return pb.DecodeEnd()
         try:
@@ -102,6 +101,14 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except (TimeoutError, RuntimeError) as exc:
             _end_failed(context, rid, exc)
         return pb.DecodeEnd()
+
+    def _call_ended(self, sink: SessionSink) -> None:
+        """A DecodeInto call ended (answered, cancelled, past its deadline): its wait ends too,
+        a last chunk not yet sent included, and a request still running is aborted (a paused
+        one stays parked: it moves)."""
+        sink.fail(RuntimeError("its DecodeInto call ended"))
+        if not sink.paused:
+            self.worker.abort_later(sink.request_id)
 
     def _bind(self, session: OutputSession, request_id: str, context: grpc.ServicerContext
               ) -> OutputSink:
@@ -210,6 +217,9 @@ def _batches(taken: list[Sent]) -> Iterator[pb.OutputBatch]:
     ending: list[SessionSink] = []
     size = 0
     for sent in taken:
+        if sent.sink.failed:  # an earlier chunk of it could not go: the rest must not either
+            sent.sink.session.forget_last(sent.sink)
+            continue
         part = _sendable_chunk(sent)
         if part is None:
             continue

@@ -20,6 +20,15 @@ def output(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput
                          finish_reason="length" if finished else None)
 
 
+def wait_outcome(sink: output_sessions.SessionSink) -> BaseException | None:
+    """How a DecodeInto handler's wait on `sink` ended: None, or what it raised."""
+    try:
+        sink.wait()
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
+        return exc
+    return None
+
+
 def test_a_steps_outputs_wait_for_its_end_and_leave_together():
     session = OutputSession("s")
     a, b = session.bind("a"), session.bind("b")
@@ -63,12 +72,57 @@ def test_a_paused_request_ends_its_wait_once_sent_and_is_not_aborted_with_the_se
 
     session = OutputSession("s")
     sink = session.bind("a")
+    waiter = threading.Thread(target=sink.wait, daemon=True)
+    waiter.start()
     sink.put(Paused("a"))
     assert sink.paused
     taken = session.take(5.0)
     assert taken is not None and isinstance(taken[0].item, Paused)
+    waiter.join(0.2)
+    assert waiter.is_alive()  # its pause is not sent yet
     list(service._batches(taken))
-    sink.wait()
+    waiter.join(5.0)
+    assert not waiter.is_alive() and sink.error is None
+    assert session.close() == []
+
+
+def test_nothing_more_of_a_request_is_sent_once_one_of_its_chunks_failed(monkeypatch):
+    from decode_worker import service
+
+    session = OutputSession("s")
+    sink = session.bind("a")
+    monkeypatch.setattr(service, "BATCH_BYTES", 20)
+    huge = output("a", [7])  # a first chunk: its prompt's logprobs go with it
+    huge.prompt_token_ids = [1, 2, 3, 4]
+    huge.prompt_logprobs = [None] + [{t: -0.5 * t for t in range(2, 12)}] * 3
+    sink.put(huge)
+    sink.put(output("a", [7, 8], finished=True))  # a lagging sender takes both at once
+    taken = session.take(5.0)
+    assert taken is not None and len(taken) == 2
+    assert list(service._batches(taken)) == []  # not a finish that hides the failure
+    with pytest.raises(service.OutputTooLarge):
+        sink.wait()
+    sink.put(output("a", [7, 8, 9]))
+    assert session.take(0.0) == []
+    assert session.close() == []
+
+
+def test_a_decode_into_call_that_ends_ends_its_wait_and_aborts_a_running_request():
+    from decode_worker import service
+
+    aborted: list[str] = []
+    servicer = service.DecodeWorkerServicer.__new__(service.DecodeWorkerServicer)
+    servicer.worker = type("Worker", (), {"abort_later": lambda self, rid: aborted.append(rid)})()
+    session = OutputSession("s")
+    running, finished, paused = session.bind("r"), session.bind("f"), session.bind("p")
+    finished.put(output("f", [5], finished=True))  # queued, and its call was cancelled
+    paused.put(Paused("p"))
+    for sink in (running, finished, paused):
+        servicer._call_ended(sink)
+        with pytest.raises(RuntimeError, match="its DecodeInto call ended"):
+            sink.wait()
+    assert aborted == ["r", "f"]  # a paused request stays parked to move
+    assert list(service._batches(session.take(0.0) or [])) == []
     assert session.close() == []
 
 
@@ -161,13 +215,21 @@ def test_a_steps_chunks_split_below_the_message_limit_and_an_oversized_one_fails
     huge.prompt_logprobs = [None] + [{t: -0.5 * t for t in range(2, 12)}] * 3
     sinks["big"].put(huge)  # its last: queued, but the sender cannot send it
     sinks["c"].put(output("c", [8]))
+    ended: list[BaseException | None] = []
+    waiter = threading.Thread(target=lambda: ended.append(wait_outcome(sinks["big"])),
+                              daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # queued is not sent
     taken = session.take(5.0)
     assert taken is not None
     batches = list(service._batches(taken))
     assert [[part.request_id for part in b.chunks] for b in batches] == [["a", "b"], ["c"]]
     assert all(b.ByteSize() <= 20 for b in batches)
-    with pytest.raises(service.OutputTooLarge, match="a chunk of request big is"):
-        sinks["big"].wait()  # its call says why, not a success with the chunk lost
+    waiter.join(5.0)
+    # its call says why, not a success with the chunk lost
+    assert isinstance(ended[0], service.OutputTooLarge)
+    assert "a chunk of request big is" in str(ended[0])
     assert session.close() == ["a", "b", "c"]  # the others go on
 
 
