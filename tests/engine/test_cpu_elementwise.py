@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.models.cpu_elementwise import load_cpu_elementwise
 from engine.models.elementwise import TorchElementwise, apply_rope, rms_norm
 from engine.native_build import cpu_flags
+from tests.conftest import torch_threads
 from tests.native_builds import ELEMENTWISE_AVX2, ELEMENTWISE_PORTABLE, elementwise_variant, has
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -89,6 +90,25 @@ def test_add_rms_norm_is_bitwise_the_torch_form(native, dtype, hidden, rows, wit
     expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     assert torch.equal(out, expected)
     assert torch.equal(out, rms_norm(total, weight, 1e-5))
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_across_threads_are_still_bitwise_the_torch_form(native, dtype, threads):
+    with torch_threads(threads):
+        gate_up = rand(300, 2 * 1536, dtype=dtype, scale=6.0)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.equal(native.silu_mul(gate_up), F.silu(gate) * up)
+        h, weight = rand(400, 4096, dtype=dtype, scale=4.0), rand(4096, dtype=dtype, seed=2)
+        _, out = native.add_rms_norm(h, None, weight, 1e-5)
+        assert torch.equal(out, rms_norm(h, weight, 1e-5))
+        qkv = rand(600, 15 * 64, dtype=dtype, scale=3.0)
+        emb = rand(600, 1, 32, dtype=torch.float32, seed=1, scale=50.0).repeat(1, 1, 2)
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        q_k = qkv[:, :12 * 64].view(600, 12, 64)
+        expected = apply_rope(q_k, cos, sin)
+        native.rope_(q_k, cos, sin)
+        assert torch.equal(q_k, expected)
 
 
 def test_bad_inputs_are_refused_and_empty_batches_work(native):

@@ -19,6 +19,7 @@ import torch
 
 from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
 from engine.attention.torch_paged import native_prefill_runs, plan_attention, run_planned_attention
+from tests.conftest import torch_threads
 from tests.native_builds import has, prefill_variant
 
 HEADS = {1: (4, 4), 3: (9, 3), 4: (8, 2), 8: (16, 2)}  # group: (heads, kv heads)
@@ -90,6 +91,16 @@ def test_prompts_and_chunks_after_a_prefix(kernel, lq, length, dtype):
     if not kernel.supports(str(dtype).removeprefix("torch.")):
         pytest.skip(f"this machine's build has no {dtype} path")
     check(kernel, lq, length, 3, 64, dtype)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiles_split_across_threads(kernel, dtype, threads):
+    if not kernel.supports(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"this machine's build has no {dtype} path")
+    with torch_threads(threads):
+        for lq, length in ((300, 300), (64, 700), (5, 40)):
+            check(kernel, lq, length, 3, 64, dtype)
 
 
 @pytest.mark.parametrize("group", sorted(HEADS))

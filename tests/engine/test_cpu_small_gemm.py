@@ -27,6 +27,7 @@ from engine.models.cpu_small_gemm import (
 from engine.models.linear import Linear
 from engine.native_build import try_build_native
 from engine.request import SamplingParams
+from tests.conftest import torch_threads
 from tests.native_builds import has
 
 
@@ -62,6 +63,15 @@ def test_matches_the_float64_reference(native, rows, out_features, in_features, 
     x = rand(rows, in_features, seed=3)
     got = SmallRowGemm(native, w, bias)(x)
     assert_close(got, reference(x, w, bias), in_features)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_panels_split_across_threads(native, threads):
+    w, bias = rand(960, 576, seed=1), rand(960, seed=2)
+    with torch_threads(threads):
+        for rows in (1, 8, 24, 100):
+            x = rand(rows, 576, seed=3)
+            assert_close(SmallRowGemm(native, w, bias)(x), reference(x, w, bias), 576)
 
 
 def test_rows_with_a_stride_and_a_strided_weight(native):

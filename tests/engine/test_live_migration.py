@@ -23,7 +23,9 @@ from serving.options import WorkerOptions
 from tests.engine.test_workers_over_fake_transport import engine, offline, wait_until
 
 SECRET = "the-move's-secret"
-MAX_TOKENS = 48
+# enough that a request is still running when its test pauses it: the tiny model steps in
+# about a millisecond on one thread (64 blocks of 16 hold a 70-token prompt and these)
+MAX_TOKENS = 400
 
 
 class Decoders:

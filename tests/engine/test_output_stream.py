@@ -33,7 +33,7 @@ from serving.options import WorkerOptions
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # long enough that four requests sent together surely run together for a while
-TOGETHER = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+TOGETHER = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 # still running when its test cancels, cuts or times it out: the tiny model steps in about a
 # millisecond on one thread, so 400 tokens could end inside a 0.5 s deadline
 LONG = SamplingParams(max_tokens=1900, temperature=0.0, ignore_eos=True)

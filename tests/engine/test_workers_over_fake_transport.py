@@ -167,6 +167,7 @@ def test_a_second_prefill_under_a_running_or_shipping_id_is_refused(tiny_llama_d
         descriptor = workers.decode.reserve("r5", prompt, params, lease_s=60, secret=SECRET)
         transfer = workers.prefill.transfer("r5", TRANSPORT, descriptor, SECRET)
         workers.fabric.finish_gate.clear()
+        workers.fabric.copy_delay_s = 0.05  # 25 copies: the second call lands mid-prefill
         results: list[object] = []
         thread = threading.Thread(target=lambda: results.append(
             workers.prefill.prefill(prompt, params, transfer, timeout_s=60)))
