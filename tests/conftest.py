@@ -29,7 +29,9 @@ def _share_the_cores_between_xdist_workers() -> None:
     each. Cluster tests' worker processes set their own thread counts (`--threads`)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+            else os.cpu_count() or 1  # the cores this process may use (Linux), else all
+        torch.set_num_threads(max(1, cores // workers))
 
 
 _share_the_cores_between_xdist_workers()
