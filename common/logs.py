@@ -5,6 +5,7 @@ appends them as key=value, the JSON format (one object per line, for log shipper
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import sys
@@ -43,6 +44,13 @@ def configure_logging(level: str = "info", log_format: str = "text") -> None:
         root.removeHandler(old)  # ours from an earlier call; others' handlers stay
     root.addHandler(handler)
     root.setLevel(level.upper())
+
+
+def report_fatal_signals() -> None:
+    """A process that dies of a signal (a segfault or an abort in native code: torch, gloo,
+    gRPC) writes every thread's Python stack to its stderr, its log, first; otherwise it ends
+    with no line saying where. Called by the router's and the workers' `__main__`."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 class CurrentStderrHandler(logging.StreamHandler):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 
 from cli.cluster import main
+from common.logs import report_fatal_signals
 
 if __name__ == "__main__":
+    report_fatal_signals()
     sys.exit(main())

@@ -81,8 +81,8 @@ class NetnsCluster:
             return {}
 
     def wait_for(self, predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
-        dead = [n for n, p in self.processes.items() if p.poll() is not None]
-        assert not dead, f"processes exited: {dead} (logs in {self.log_dir})"
+        dead = {n: p.returncode for n, p in self.processes.items() if p.poll() is not None}
+        assert not dead, f"processes exited (name: exit status): {dead} (logs in {self.log_dir})"
         wait_until(lambda: predicate(self.workers()), timeout_s, what, poll_s=0.3)
 
     def metric(self, node: str, name: str) -> float:

@@ -1,10 +1,14 @@
 """--log-format text|json and the worker's refusal line: one record, its structured fields
-readable in both formats."""
+readable in both formats; a process killed by a signal leaves its Python stacks in its log."""
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -55,3 +59,16 @@ def test_a_worker_logs_each_refusal_with_its_reason(caplog):
         "new requests"
     assert refusal.fields == {"worker_id": "decode-0", "method": "Reserve",
                               "status": "UNAVAILABLE"}
+
+
+def test_a_process_killed_by_a_signal_leaves_its_python_stacks_in_its_log():
+    script = ("import os, signal\n"
+              "from common.logs import report_fatal_signals\n"
+              "report_fatal_signals()\n"
+              "os.kill(os.getpid(), signal.SIGSEGV)\n")
+    root = Path(__file__).resolve().parents[2]
+    died = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                          text=True, timeout=60)
+    assert died.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in died.stderr
+    assert "most recent call first" in died.stderr  # the stack of the thread that died
