@@ -220,10 +220,10 @@ def _batches(taken: list[Sent]) -> Iterator[pb.OutputBatch]:
         if sent.sink.failed:  # an earlier chunk of it could not go: the rest must not either
             sent.sink.session.forget_last(sent.sink)
             continue
-        part = _sendable_chunk(sent)
-        if part is None:
+        sendable = _sendable_chunk(sent)
+        if sendable is None:
             continue
-        part_size = part.ByteSize()
+        part, part_size = sendable
         if parts and size + part_size > BATCH_BYTES:
             yield pb.OutputBatch(chunks=parts)
             _delivered(ending)
@@ -237,20 +237,21 @@ def _batches(taken: list[Sent]) -> Iterator[pb.OutputBatch]:
         _delivered(ending)
 
 
-def _sendable_chunk(sent: Sent) -> pb.RequestChunk | None:
-    """`sent` encoded, or None with its request failed: it cannot be encoded, or it is larger
-    than one message may be."""
+def _sendable_chunk(sent: Sent) -> tuple[pb.RequestChunk, int] | None:
+    """`sent` encoded, with its size, or None with its request failed: it cannot be encoded,
+    or it is larger than one message may be."""
     try:
         part = _request_chunk(sent)
     except Exception as exc:  # noqa: BLE001 - its own request's failure, reported on its call
         sent.sink.fail(RuntimeError(f"its output could not be encoded: {exc!r}"))
         return None
-    if part.ByteSize() > BATCH_BYTES:
+    size = part.ByteSize()  # computed by serializing: once per chunk
+    if size > BATCH_BYTES:
         sent.sink.fail(OutputTooLarge(
-            f"a chunk of request {sent.request_id} is {part.ByteSize()} bytes, over the "
+            f"a chunk of request {sent.request_id} is {size} bytes, over the "
             f"{BATCH_BYTES}-byte message limit (prompt_logprobs of a long prompt?)"))
         return None
-    return part
+    return part, size
 
 
 def _delivered(sinks: list[SessionSink]) -> None:
