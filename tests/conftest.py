@@ -48,6 +48,7 @@ def torch_threads(count: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(before)
 
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 

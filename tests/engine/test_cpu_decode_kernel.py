@@ -18,6 +18,7 @@ import torch
 
 from engine.attention.cpu_kernel import load_cpu_kernel
 from engine.attention.reference import paged_attention_reference
+from tests.conftest import torch_threads
 from tests.native_builds import DECODE_VARIANTS, decode_variant, has
 
 LENS = [1, 15, 16, 17, 33, 1000, 4096]
@@ -101,13 +102,9 @@ def test_any_number_of_sequences(kernel, num_seqs, dtype):
 def test_long_contexts_split_across_threads(kernel, lens, threads):
     """Few sequences with long contexts are split along the KV and merged; a short sequence
     beside a long one leaves some of its splits empty."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for dtype in (torch.float32, torch.bfloat16):
             check(kernel, make_case(lens, 8, 2, 128, dtype), dtype)
-    finally:
-        torch.set_num_threads(before)
 
 
 def check_window(native, case, dtype, window, block_size=16):
@@ -129,14 +126,10 @@ def test_a_sliding_window_reads_only_the_keys_inside_it(kernel, window, dtype, t
     """Windows starting inside a block, on a block boundary, within one tile, and longer than
     some rows; long rows split across threads start their splits at the window; every slot
     before a row's window is NaN, so a single read of one would show."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for group, dim in ((3, 64), (4, 128), (1, 80)):
             heads, kv_heads = HEADS[group]
             check_window(kernel, make_case(LENS, heads, kv_heads, dim, dtype), dtype, window)
-    finally:
-        torch.set_num_threads(before)
     with pytest.raises(RuntimeError, match="window must be >= 0"):
         run(kernel, *make_case([4], 4, 4, 64), window=-1)
 

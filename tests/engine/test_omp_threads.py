@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.omp_threads import _openmp, build_on_passing_thread, use_one_torch_thread
+from tests.conftest import torch_threads
 
 
 def in_thread(fn):
@@ -21,19 +22,15 @@ def in_thread(fn):
 
 @pytest.mark.skipif(_openmp() is None, reason="torch's OpenMP runtime is not libgomp/libiomp")
 def test_a_confined_thread_computes_alone_and_the_others_keep_their_count():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        def confined() -> tuple[int, float]:
-            use_one_torch_thread()
-            x = torch.arange(1_000_000, dtype=torch.float64)
-            return torch.get_num_threads(), float((x * 2).sum())
+    def confined() -> tuple[int, float]:
+        use_one_torch_thread()
+        x = torch.arange(1_000_000, dtype=torch.float64)
+        return torch.get_num_threads(), float((x * 2).sum())
 
+    with torch_threads(2):
         assert in_thread(confined) == (1, 999999000000.0)  # it still computes
         assert in_thread(torch.get_num_threads) == 2  # a fresh thread gets the process's count
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_a_passing_build_returns_its_result_or_raises_its_error_here():
