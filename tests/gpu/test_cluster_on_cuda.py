@@ -6,6 +6,7 @@ cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from tests.cluster.cluster_helpers import (
     stream_tokens,
     wait_blocks_free,
 )
+from tests.cluster.openai_helpers import raw
 from tests.conftest import mixed_prompts
 from tests.gpu.conftest import gpu_count
 
@@ -99,11 +101,28 @@ def test_router_launch_device_cuda_serves_and_stops_cleanly(tmp_path):
         assert f"127.0.0.1:{port}" in ready, ready[-3000:]
         tokens, _, last = stream_tokens(f"127.0.0.1:{port}", greedy_request([1, 2, 3, 4], 8))
         assert len(tokens) == 8 and last.timings.e2e_s > 0
+        assert streamed_completion_tokens(f"127.0.0.1:{http_port}") == 8
     finally:
         launch.send_signal(signal.SIGINT)
         code = launch.wait(120)
     assert code == 0
     assert processes_naming(f"127.0.0.1:{port}") == []  # every process it started is gone
+
+
+def streamed_completion_tokens(http_address: str) -> int:
+    """Streams one completion over HTTP (the router's stream driver beside a CUDA decode worker)
+    and returns the usage it reports after checking the SSE stream ended with [DONE]."""
+    conn, reply = raw(http_address, "/v1/models")
+    model = json.loads(reply.read())["data"][0]["id"]
+    conn.close()
+    body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    conn, reply = raw(http_address, "/v1/completions", body)
+    data = reply.read()
+    conn.close()
+    assert reply.status == 200 and data.endswith(b"data: [DONE]\n\n"), data[-500:]
+    last = json.loads(data.split(b"\n\n")[-3][len(b"data: "):])
+    return last["usage"]["completion_tokens"]
 
 
 def processes_naming(text: str) -> list[int]:
