@@ -42,7 +42,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# The block table's row stride is the batch's widest table: 1, a multiple of 16 or neither, each
+# its own variant if specialised, and the start-up warm-up cannot foresee it.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
     part_m_ptr, part_l_ptr, part_o_ptr, scale, num_tokens, num_heads,

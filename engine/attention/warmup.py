@@ -5,7 +5,8 @@ constants (split count, query tile, dtype, head size, block size) and of integer
 specialises on (equal to 1, divisible by 16). On an H100 that first meeting made the first run of
 a workload 1.6-2.2x slower than the second. Running every variant a server will meet once, on tiny
 inputs, at engine start moves that cost to start; Triton's on-disk cache then makes later starts
-fast too.
+fast too. The block table's row stride (the batch's widest table) is not specialised on
+(`do_not_specialize` in the kernel): an H200 run met a table 16 wide that the warm-up had not.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ class JitCounter:
         self.torch_graphs = _dynamo_graphs() - self._graphs_before
 
     def _hook(self, *args: Any, **kwargs: Any) -> bool:
-        self.triton_compiles.append(str(kwargs.get("repr") or kwargs.get("fn") or args[:1]))
+        # the kernel's name and its specialization key: which argument values were new
+        name = getattr(kwargs.get("fn"), "name", None) or str(kwargs.get("repr") or args[:1])
+        self.triton_compiles.append(f"{name} {kwargs.get('key')}")
         return False  # compile as usual: only count
 
 
