@@ -30,7 +30,11 @@ def write_checkpoint(shape: str, path: Path, tokenizer_dir: Path, device: str) -
     safetensors shard each, so an 8B shape never sits in host memory whole). Kept if present."""
     from safetensors.torch import save_file
 
+    if not (tokenizer_dir / "tokenizer.json").is_file():  # else every engine fails much later
+        raise FileNotFoundError(f"no tokenizer.json in {str(tokenizer_dir)!r} (the tokenizer "
+                                "directory: on a GPU machine, .gpu/tokenizer, carried)")
     if (path / "config.json").is_file():
+        _copy_tokenizer(tokenizer_dir, path)  # a checkpoint written without one gets it now
         return path
     path.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
@@ -50,10 +54,14 @@ def write_checkpoint(shape: str, path: Path, tokenizer_dir: Path, device: str) -
                   max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                   bos_token_id=1, eos_token_id=2, hidden_act="silu", torch_dtype="bfloat16", **s)
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    _copy_tokenizer(tokenizer_dir, path)
+    return path
+
+
+def _copy_tokenizer(tokenizer_dir: Path, path: Path) -> None:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 def _shards(s: dict[str, Any], rand: Callable[..., torch.Tensor]

@@ -1,6 +1,7 @@
 """The GPU proof's tools, smoke-run on CPU: the decode-kernel bandwidth benchmark (tiny shapes,
 Triton interpreter; outputs checked against dense SDPA), the random stand-in for the default
-model, gpu_check.sh refusing a stage it does not know, and the wheels gpu_pack.sh packs."""
+model (which refuses to go without a tokenizer), gpu_check.sh refusing a stage it does not
+know, and the wheels gpu_pack.sh packs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import decode_kernel
+from benchmarks.random_checkpoint import write_checkpoint
 from engine.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,19 @@ def test_a_random_checkpoint_stands_in_for_the_default_model(tmp_path, default_m
                                "resolve_model_path; print(resolve_model_path('default'))"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert resolved.stdout.strip() == str(path)  # `default` now loads it, nothing converted
+
+
+def test_a_random_checkpoint_needs_its_tokenizer_and_a_kept_one_gets_it(tmp_path,
+                                                                        default_model_dir):
+    """On an H200 a tokenizer folder that had not travelled left 8B checkpoints without one, and
+    every engine then failed on it: now the writer refuses at once, and a checkpoint kept from
+    such a run gets the tokenizer when it is reused."""
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json in"):
+        write_checkpoint("tiny", tmp_path / "ckpt", tmp_path / "missing", "cpu")
+    path = write_checkpoint("tiny", tmp_path / "ckpt", default_model_dir, "cpu")
+    (path / "tokenizer.json").unlink()
+    assert write_checkpoint("tiny", path, default_model_dir, "cpu") == path
+    assert (path / "tokenizer.json").is_file()
 
 
 def test_gpu_check_refuses_an_unknown_stage(tmp_path):
