@@ -181,9 +181,9 @@ def _add_gpu_args(launch: argparse.ArgumentParser) -> None:
     launch.add_argument("--async-scheduling", action=on, default=None,
                         help="decode/colocated workers schedule step N+1 while step N runs "
                              "(default: on for cuda, off on cpu)")
-    launch.add_argument("--fused-kernels", action="store_true",
-                        help="cuda: fused Triton element-wise kernels in every worker (not yet "
-                             "proven in a cluster on a GPU; off by default)")
+    launch.add_argument("--fused-kernels", action=on, default=None,
+                        help="cuda: fused Triton element-wise kernels in every worker (default: "
+                             "on for cuda)")
     launch.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per engine step on every worker (default: the engine's, "
                              "512 on CPU)")

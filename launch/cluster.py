@@ -64,7 +64,7 @@ class ClusterSpec:
     # The GPU speed paths, passed to every worker (None: the workers' default, on for CUDA).
     cuda_graphs: bool | None = None  # cuda: every worker replays decode steps from CUDA graphs
     async_scheduling: bool | None = None  # decode and colocated workers schedule step N+1 early
-    fused_kernels: bool = False  # cuda: fused Triton element-wise kernels in every worker
+    fused_kernels: bool | None = None  # cuda: fused Triton element-wise kernels in every worker
     max_num_batched_tokens: int | None = None  # every worker's step budget (None: its default)
     tensor_parallel_size: int = 1  # ranks per worker (engine.tensor_parallel), every role
     prefill_tp: int | None = None  # prefill workers' ranks (None: tensor_parallel_size)
@@ -275,8 +275,8 @@ class LocalCluster:
             args.append("--cuda-graphs" if spec.cuda_graphs else "--no-cuda-graphs")
         if spec.async_scheduling is not None and role != "prefill":
             args.append("--async-scheduling" if spec.async_scheduling else "--no-async-scheduling")
-        if spec.fused_kernels:
-            args.append("--fused-kernels")
+        if spec.fused_kernels is not None:
+            args.append("--fused-kernels" if spec.fused_kernels else "--no-fused-kernels")
         if spec.max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
         if spec.tp_for(role) > 1:

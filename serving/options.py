@@ -61,17 +61,16 @@ class WorkerOptions:
     # piece on dist), so a long prompt's first token waits only for its last chunk's (issue 16).
     kv_streaming: bool = True
     gpu_memory_fraction: float = 0.9  # CUDA: share of the GPU's total memory this engine may use
-    # The GPU speed paths. None: the device's default, on for CUDA (an H200 cluster run proved
-    # workers with both token-identical to the offline engine: BENCHMARKS.md, "GPU proof"), off
+    # The GPU speed paths. None: the device's default, on for CUDA (H200 cluster runs proved
+    # workers with each token-identical to the offline engine: BENCHMARKS.md, "GPU proof"), off
     # elsewhere (nothing to overlap on a CPU). Decode steps replay CUDA graphs
     # (engine.decode_graphs).
     cuda_graphs: bool | None = None
     # Schedule step N+1 while step N runs (engine async scheduling); decode and colocated only:
     # a prefill worker hands a request off right after the step that samples its first token.
     async_scheduling: bool | None = None
-    # Fused Triton element-wise kernels (engine.models.fused): proven in the engine on CUDA, not
-    # yet in a cluster, so off unless asked for.
-    fused_kernels: bool = False
+    # Fused Triton element-wise kernels (engine.models.fused): CUDA only.
+    fused_kernels: bool | None = None
     # Fault injection for the tests only (env PDSERVE_FAULT_KV_WRITE_PAUSE_S): a prefill worker
     # pauses this long inside each shared-transport write, after the decode side admitted it.
     fault_kv_write_pause_s: float = 0.0
@@ -121,6 +120,8 @@ class WorkerOptions:
             object.__setattr__(self, "cuda_graphs", cuda)
         if self.async_scheduling is None:
             object.__setattr__(self, "async_scheduling", cuda and self.role != "prefill")
+        if self.fused_kernels is None:
+            object.__setattr__(self, "fused_kernels", cuda)
         if self.async_scheduling and self.role == "prefill":
             raise ValueError("--async-scheduling is for decode and colocated workers, not "
                              "prefill workers")
@@ -292,6 +293,6 @@ def _add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=on, default=None,
                         help="decode/colocated: schedule and prepare step N+1 while step N runs "
                              "(same outputs; default: on for CUDA, off on CPU)")
-    parser.add_argument("--fused-kernels", action="store_true",
-                        help="CUDA: fused Triton element-wise kernels (proven in the engine, not "
-                             "yet in a cluster on a GPU; off by default)")
+    parser.add_argument("--fused-kernels", action=on, default=None,
+                        help="CUDA: fused Triton element-wise kernels for residual-add + RMSNorm, "
+                             "RoPE and SiLU-up (default: on for CUDA)")

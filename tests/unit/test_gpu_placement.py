@@ -161,15 +161,15 @@ def test_speed_paths_left_unset_leave_the_workers_their_default_and_off_says_so(
     for role in ("prefill", "decode"):
         cluster.spawn_worker(role)
     flags = {"--cuda-graphs", "--no-cuda-graphs", "--async-scheduling", "--no-async-scheduling",
-             "--fused-kernels"}
+             "--fused-kernels", "--no-fused-kernels"}
     assert not any(flags & set(args) for args in commands.values())
     cluster, commands = fake_cluster(ClusterSpec(device="cuda", gpus=1, cuda_graphs=False,
-                                                 async_scheduling=False, fused_kernels=True))
+                                                 async_scheduling=False, fused_kernels=False))
     for role in ("prefill", "decode"):
         cluster.spawn_worker(role)
-    assert flags & set(commands["prefill-0"]) == {"--no-cuda-graphs", "--fused-kernels"}
+    assert flags & set(commands["prefill-0"]) == {"--no-cuda-graphs", "--no-fused-kernels"}
     assert flags & set(commands["decode-0"]) == {"--no-cuda-graphs", "--no-async-scheduling",
-                                                 "--fused-kernels"}
+                                                 "--no-fused-kernels"}
 
 
 def test_the_step_budget_reaches_every_worker():
@@ -372,10 +372,11 @@ def test_graph_and_async_flags_reach_the_engine_config(monkeypatch):
     ("prefill", "cuda:0", True, False), ("decode", "cpu", False, False),
     ("prefill", "cpu", False, False)])
 def test_the_speed_paths_default_on_for_cuda_only(role, device, graphs, async_scheduling):
-    """Proven in a cluster on a GPU (graphs and async); fused kernels stay off until asked."""
+    """Each proven in a cluster on a GPU (H200 runs, 2026-11-27): graphs and async scheduling,
+    then the fused kernels; each --no-x turns one off."""
     options = parse_worker_args(role, ["--router", "h:1", "--device", device])
     assert (options.cuda_graphs, options.async_scheduling, options.fused_kernels) == (
-        graphs, async_scheduling, False)
+        graphs, async_scheduling, graphs)
     off = parse_worker_args(role, ["--router", "h:1", "--device", device, "--no-cuda-graphs",
-                                   "--no-async-scheduling"])
-    assert (off.cuda_graphs, off.async_scheduling) == (False, False)
+                                   "--no-async-scheduling", "--no-fused-kernels"])
+    assert (off.cuda_graphs, off.async_scheduling, off.fused_kernels) == (False, False, False)
