@@ -7,6 +7,7 @@ compiler, no ninja) is None to its caller, which keeps its torch path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -26,6 +27,14 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether the CPU has AMX tiles for bfloat16 (Intel Xeon since Sapphire Rapids): there
+    oneDNN's bfloat16 GEMMs, and SDPA's flash kernel built on them, beat the native kernels at all
+    but a few rows (BENCHMARKS.md, "On an Intel Xeon with AMX")."""
+    return "amx_bf16" in cpu_flags().split()
 
 
 def extension_name(prefix: str, source: Path, cflags: tuple[str, ...]) -> str:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
+from engine.native_build import cpu_has_amx_bf16
 
 PREFILL_TILE = 128  # query rows per score tile on CPU (64-256 measured within 10%)
 # Chunks of at most this many queries after a cached prefix use the native kernel on CPU. Each
@@ -166,9 +167,11 @@ def run_planned_attention(
 
 def native_prefill_runs(kernel: ModuleType | None, q: torch.Tensor) -> bool:
     """Whether the native prefill kernel takes this layer's prompts: on CPU, in a dtype its
-    build supports, at head_dim 64 or 128."""
+    build supports, at head_dim 64 or 128; not bfloat16 where the CPU has AMX, where SDPA's flash
+    kernel (on oneDNN's AMX GEMMs) took 0.62-0.70x its time."""
     return (kernel is not None and q.device.type == "cpu" and q.shape[-1] in (64, 128)
-            and kernel.supports(str(q.dtype).removeprefix("torch.")))
+            and kernel.supports(str(q.dtype).removeprefix("torch."))
+            and not (q.dtype == torch.bfloat16 and cpu_has_amx_bf16()))
 
 
 def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

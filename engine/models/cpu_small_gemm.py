@@ -10,7 +10,10 @@ inside the default model's steps:
 - float32, the AVX-512 form (tiles of 8 rows; AMD EPYC Zen 4): 1.1-1.5x oneDNN in decode steps
   of 1-192 rows and 1.01-1.05x in prefill-sized products; bfloat16 with AVX512-BF16 (vdpbf16ps):
   1.05-1.55x in decode steps of 1-128 rows and 1.12-1.17x in prefill-sized products. The kernel
-  takes every call and the layer keeps no oneDNN copy (Intel AVX-512 parts were not measured).
+  takes every call and the layer keeps no oneDNN copy.
+- bfloat16 on a CPU with AMX (Intel Xeon, Emerald Rapids measured): oneDNN's AMX GEMM wins from
+  about 8 rows up (0.73-0.86x the kernel's time at 12-32 rows, 0.14-0.20x in prefill-sized
+  products), the kernel below (1.15-1.49x at 1-4 rows). Such a layer keeps both copies.
 PDSERVE_DISABLE_CPU_SMALL_GEMM=1 keeps oneDNN everywhere.
 """
 
@@ -23,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from engine.native_build import cpu_flags, try_build_native
+from engine.native_build import cpu_flags, cpu_has_amx_bf16, try_build_native
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_small_gemm.cpp"
 DISABLE_ENV = "PDSERVE_DISABLE_CPU_SMALL_GEMM"
@@ -31,8 +34,10 @@ PREFIX = "pdserve_cpu_small_gemm"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 # Rows up to which the AVX2 form beat oneDNN inside a decode step's linears (1-24 measured
 # faster, 32 at parity, 64 and prefill steps slower). The AVX-512 forms (float32, and bfloat16
-# with AVX512-BF16) beat oneDNN at every size measured and have no limit.
+# with AVX512-BF16) beat oneDNN at every size measured and have no limit, except bfloat16 where
+# the CPU has AMX: at parity with oneDNN's AMX GEMM at 8 rows, slower above.
 AVX2_MAX_ROWS = 24
+AMX_BF16_MAX_ROWS = 8
 
 
 def measured_machine() -> bool:
@@ -49,6 +54,8 @@ def takes(native: ModuleType, dtype: torch.dtype) -> bool:
 
 def max_rows(native: ModuleType, dtype: torch.dtype) -> int | None:
     """The most rows a call may have to take the kernel; None: any number."""
+    if dtype == torch.bfloat16 and cpu_has_amx_bf16():
+        return AMX_BF16_MAX_ROWS
     return AVX2_MAX_ROWS if native.max_tile_rows() == 4 and dtype == torch.float32 else None
 
 

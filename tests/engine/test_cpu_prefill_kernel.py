@@ -167,10 +167,27 @@ def test_bad_shapes_are_refused(kernel):
         kernel.causal_prefill_attention(q, k, v, 0.1, out, -1)
 
 
+def test_with_amx_bf16_prompts_go_to_sdpa_and_float32_ones_to_it(kernel, monkeypatch):
+    """Where the CPU has AMX, SDPA's flash kernel (on oneDNN's AMX GEMMs) attends bfloat16
+    prompts faster than the kernel; float32 prompts stay with the kernel."""
+    from engine.attention import torch_paged
+
+    monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: True)
+    assert not native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.bfloat16))
+    assert native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.float32))
+    monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: False)
+    assert native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.bfloat16)) == (
+        kernel.supports("bfloat16"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_paged_path_attends_prompts_with_it(kernel, dtype):
+def test_the_paged_path_attends_prompts_with_it(kernel, dtype, monkeypatch):
     """A step with a decode row, a whole prompt (its own fresh K/V) and a long chunk after a
-    cached prefix (gathered from the paged cache): the same as the path without the kernel."""
+    cached prefix (gathered from the paged cache): the same as the path without the kernel
+    (which an AMX machine would not give bfloat16 prompts: here it does)."""
+    from engine.attention import torch_paged
+
+    monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: False)
     if not native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=dtype)):
         pytest.skip(f"this machine's build has no {dtype} path")
     g = torch.Generator().manual_seed(1)

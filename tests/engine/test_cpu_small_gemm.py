@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine, RequestOutput
+from engine.models import cpu_small_gemm
 from engine.models import linear as linear_module
 from engine.models.cpu_small_gemm import (
+    AMX_BF16_MAX_ROWS,
     AVX2_MAX_ROWS,
     CFLAGS,
     PREFIX,
@@ -208,6 +210,28 @@ def test_bf16_odd_strided_rows_and_onednn(native_bf16):
     x, w = rand(9, 576, seed=6).bfloat16(), rand(960, 576, seed=7).bfloat16()
     ours, onednn = SmallRowGemm(native_bf16, w, None)(x).float(), F.linear(x, w).float()
     assert ((ours - onednn).abs() <= onednn.abs() * 2.0 ** -7 + 1e-3).all()
+
+
+def test_with_amx_bf16_layers_send_few_rows_to_it_and_more_to_onednn(native_bf16, monkeypatch):
+    """Where the CPU has AMX, oneDNN's bfloat16 GEMM beats the kernel from about 8 rows: a
+    bfloat16 layer keeps oneDNN's copy beside the kernel's, the kernel takes up to
+    AMX_BF16_MAX_ROWS rows; float32 layers still give the kernel every call."""
+    monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda: native_bf16)
+    monkeypatch.setattr(cpu_small_gemm, "cpu_has_amx_bf16", lambda: True)
+    w = rand(96, 64, seed=8).bfloat16()
+    layer = Linear(w)
+    assert layer.small_rows is not None and layer.small_rows.max_rows == AMX_BF16_MAX_ROWS
+    assert layer.weight is not None and layer.packed  # oneDNN's copy is kept
+    calls: list[int] = []
+    kernel = SmallRowGemm.__call__
+    monkeypatch.setattr(SmallRowGemm, "__call__",
+                        lambda self, x: calls.append(x.shape[0]) or kernel(self, x))
+    for rows in (1, AMX_BF16_MAX_ROWS, AMX_BF16_MAX_ROWS + 1, 300):
+        x = rand(rows, 64, seed=rows).bfloat16()
+        assert_bf16_close(layer(x), x, w, None)
+    assert calls == [1, AMX_BF16_MAX_ROWS]
+    assert Linear(w.float()).small_rows.max_rows == (
+        AVX2_MAX_ROWS if native_bf16.max_tile_rows() == 4 else None)
 
 
 def test_bf16_model_agrees_with_onednn(native_bf16, tiny_llama_dir, monkeypatch):
