@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_clocks import GpuClockSampler
+
 # (sequences, context, query heads, KV heads, head dim)
 SHAPES = ((64, 2048, 32, 8, 128), (256, 1024, 32, 8, 128), (16, 8192, 32, 8, 128),
           (4, 32768, 32, 8, 128), (1, 65536, 32, 8, 128), (128, 512, 9, 3, 64))
@@ -103,11 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = run(args.device, getattr(torch, args.dtype), args.smoke, args.reps)
+    with GpuClockSampler() as clocks:  # a slowed GPU, not the kernel, may explain a figure
+        rows = run(args.device, getattr(torch, args.dtype), args.smoke, args.reps)
     name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(json.dumps({"gpu_clocks": clocks.summary()}))
     if args.json:
         args.json.write_text(json.dumps({"device": name, "dtype": args.dtype, "rows": rows,
-                                         "targets_gbps": TARGETS_GBPS}, indent=2) + "\n")
+                                         "targets_gbps": TARGETS_GBPS,
+                                         "gpu_clocks": clocks.summary()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import DEFAULT_WORKLOAD
+from benchmarks.gpu_clocks import GpuClockSampler
 from benchmarks.random_checkpoint import SHAPES, write_checkpoint
 
 OFF = {"cuda_graphs": False, "async_scheduling": False, "fused_kernels": False}
@@ -73,16 +74,9 @@ def run_ours(name: str, model_dir: Path, rows: list[dict[str, Any]], args: argpa
     result: dict[str, Any] = {"start_s": time.perf_counter() - start}
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
               for r in rows]
-    seconds = []
-    for run in range(args.runs + 1):  # the first pass is reported apart
-        prompts = fresh_prompts(rows, run)
-        sync(args.device)
-        t = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        sync(args.device)
-        seconds.append(time.perf_counter() - t)
-        if run == 0:
-            result["first_tokens"] = [o.token_ids[:8] for o in outputs[:4]]
+    with GpuClockSampler(device_index=gpu_index(args.device)) as clocks:
+        seconds = timed_passes(llm, rows, params, args, result)
+    result["gpu_clocks"] = clocks.summary()
     tokens = sum(r["max_tokens"] for r in rows)
     result.update(first_run_s=seconds[0], seconds=seconds[1:],
                   tok_s=tokens / statistics.median(seconds[1:]))
@@ -92,6 +86,29 @@ def run_ours(name: str, model_dir: Path, rows: list[dict[str, Any]], args: argpa
             temperature=0, max_tokens=64, ignore_eos=True))
     del llm
     return result
+
+
+def gpu_index(device: str) -> int:
+    """nvidia-smi's index of `device` ("cuda:N"; "cuda" is 0), as CUDA numbers it when
+    CUDA_VISIBLE_DEVICES is unset."""
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def timed_passes(llm: Any, rows: list[dict[str, Any]], params: list[Any],
+                 args: argparse.Namespace, result: dict[str, Any]) -> list[float]:
+    """Seconds of each pass over the workload (the first, then --runs more), each with fresh
+    prompts; the first pass's first tokens go into `result`."""
+    seconds = []
+    for run in range(args.runs + 1):
+        prompts = fresh_prompts(rows, run)
+        sync(args.device)
+        t = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        sync(args.device)
+        seconds.append(time.perf_counter() - t)
+        if run == 0:
+            result["first_tokens"] = [o.token_ids[:8] for o in outputs[:4]]
+    return seconds
 
 
 def fresh_prompts(rows: list[dict[str, Any]], run: int) -> list[list[int]]:
@@ -249,10 +266,11 @@ def run_guarded(run: Any, system: str, model_dir: Path, rows: list[dict], args: 
 
 def markdown(results: dict[str, Any]) -> str:
     """One row per shape and system: tok/s, its ratio to ours_eager of the same run, the busy
-    share, whether ours' first tokens equal ours_eager's, and ours' first-pass seconds."""
+    share, whether ours' first tokens equal ours_eager's, ours' first-pass seconds, and the lowest
+    SM clock sampled during ours' passes with any slowdown reason the GPU gave."""
     lines = [f"Device: {results['device']}; {results['requests']} requests.", "",
              "| shape | system | tok/s | / ours_eager | GPU busy | same tokens as eager | "
-             "first pass s |", "|---|---|---|---|---|---|---|"]
+             "first pass s | SM MHz min (slowdowns) |", "|---|---|---|---|---|---|---|---|"]
     for key, r in results.items():
         if "/" not in key:
             continue
@@ -264,9 +282,15 @@ def markdown(results: dict[str, Any]) -> str:
             str(r["first_tokens"] == eager["first_tokens"])
         lines.append(f"| {shape} | {system} | {r['tok_s']:,.0f} | {ratio} | "
                      f"{'-' if busy is None else f'{busy:.0%}'} | {same} | "
-                     f"{r.get('first_run_s', float('nan')):.1f} |")
+                     f"{r.get('first_run_s', float('nan')):.1f} | {clocks_cell(r)} |")
     return "\n".join(lines)
 
+
+def clocks_cell(result: dict[str, Any]) -> str:
+    clocks = result.get("gpu_clocks")
+    if not clocks or "sm_mhz_min" not in clocks:
+        return "-"
+    return f"{clocks['sm_mhz_min']:,.0f} ({', '.join(clocks['slowdown_reasons']) or 'none'})"
 
 if __name__ == "__main__":
     main()

@@ -79,7 +79,10 @@ run_stage() {  # name, command...
   local start=$SECONDS
   "$@" 2>&1 | tee -a "$LOG"
   local code=${PIPESTATUS[0]}
-  say "stage $name: exit $code after $((SECONDS - start)) s"
+  say "stage $name: exit $code after $((SECONDS - start)) s; GPU now (SM MHz, max, W, C, reasons):"
+  timeout 10 nvidia-smi --format=csv,noheader \
+    --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_event_reasons.active \
+    2>&1 | tee -a "$LOG"
   return "$code"
 }
 
