@@ -5,6 +5,9 @@ matmuls near peak where a plain `F.linear` loses 2-4x; elsewhere it is a plain `
 AVX2 CPUs a native panel kernel takes the calls where it was measured faster
 (engine.models.cpu_small_gemm: float32 steps of few rows with AVX2, beside oneDNN; every float32
 and AVX512-BF16 bfloat16 step with AVX-512, alone).
+
+On CPUs with AMX, oneDNN's bfloat16 GEMM (its AMX brgemm) runs 17-32 rows slower than 33: a
+step of that many rows is padded to 33 (`onednn_rows`).
 """
 
 from __future__ import annotations
@@ -13,9 +16,22 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.cpu_small_gemm import SmallRowGemm, load_cpu_small_gemm, takes
+from engine.native_build import cpu_has_amx_bf16
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it afterwards.
 _PACK_BATCH_HINT = 64
+# oneDNN 3.x's AMX bfloat16 brgemm (torch 2.13, 2 threads, an Emerald Rapids Xeon) takes 17-32
+# rows in 1.15-1.2x the time of 33 rows for the default model's layer shapes and 1.45-1.55x for
+# its 49,152-wide lm_head (every row count 9-80 timed, the shapes interleaved as in a forward):
+# there a step of decodes pays less for 33 rows, the padding ignored. Measured nowhere else.
+AMX_SLOW_ROWS = (17, 32)
+AMX_PADDED_ROWS = 33
+
+
+def onednn_rows(rows: int, amx_bf16: bool) -> int:
+    """The rows oneDNN's GEMM is given for a call of `rows` rows."""
+    low, high = AMX_SLOW_ROWS
+    return AMX_PADDED_ROWS if amx_bf16 and low <= rows <= high else rows
 
 
 def onednn_usable(weight: torch.Tensor) -> bool:
@@ -32,6 +48,8 @@ class Linear:
         self.bias = bias
         self.weight: torch.Tensor | None = weight
         self.packed = False
+        self.amx_bf16 = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" \
+            and cpu_has_amx_bf16()
         self.small_rows = _small_row_gemm(weight, bias) if pack else None
         if self.small_rows is not None and self.small_rows.max_rows is None:
             self.weight = None  # the kernel takes every call: no second copy
@@ -50,8 +68,17 @@ class Linear:
         if self.small_rows is not None and self.small_rows.fits(x):
             return self.small_rows(x)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        padded = onednn_rows(rows, self.amx_bf16)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], self.out_features)
 
 
 def _small_row_gemm(weight: torch.Tensor, bias: torch.Tensor | None) -> SmallRowGemm | None:
