@@ -50,3 +50,16 @@ def test_padded_calls_return_the_callers_rows_within_bf16_rounding(onednn_bf16_l
     reference = x.double() @ weight.double().t() + bias.double()
     # bf16 output: one rounding of values up to ~8 in magnitude, plus the bias's
     assert (y.double() - reference).abs().max().item() < 0.07
+
+
+def test_the_row_count_benchmark_times_exact_and_padded_counts():
+    from benchmarks.onednn_rows import SHAPES, parse_rows, time_calls
+
+    assert parse_rows("9-12") == [9, 10, 11, 12] and parse_rows("17") == [17]
+    weight = torch.randn(*SHAPES["o"]).bfloat16()
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    except RuntimeError:
+        pytest.skip("oneDNN has no bfloat16 GEMM on this CPU")
+    ms = time_calls({"o": packed}, [17, 33], repeats=1)
+    assert set(ms) == {17, 33} and all(ms[m]["o"] > 0 for m in ms)
