@@ -59,6 +59,13 @@ def _decisions(config) -> list[dict]:
     return deployment.autoscaler_decisions(config)
 
 
+def _settled(report: dict) -> bool:
+    """The pulse's worker gone from the router and from the controller's latest inputs."""
+    shown = report["autoscaler"]["decisions"]
+    return sorted(w["id"] for w in report["registered"]) == ["decode-0", "prefill-0"] and \
+        bool(shown) and shown[-1]["inputs"]["workers"] == {"prefill": 1, "decode": 1}
+
+
 def _check_decisions(config, started: float) -> None:
     """One decode worker added within an interval or so of the pulse, the same one drained and
     removed after it (the load low for the scale-down window)."""
@@ -101,6 +108,10 @@ def test_a_load_pulse_adds_a_decode_worker_and_its_end_removes_one(local_ray, ti
         assert int(rows["E2E"]["Request Count"]) > 0
         assert int(rows["E2E"]["Failure Count"]) == 0
         _check_decisions(config, started)
+        # the removed worker drains, then deregisters: the decision comes first
+        wait_until(lambda: _settled(deployment.status(config)), 30.0,
+                   "the removed worker to deregister and the controller to see it gone",
+                   poll_s=0.5)
         report = deployment.status(config)
         assert sorted(w["id"] for w in report["registered"]) == ["decode-0", "prefill-0"]
         shown = report["autoscaler"]["decisions"]
