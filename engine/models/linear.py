@@ -20,10 +20,11 @@ from engine.native_build import cpu_has_amx_bf16
 
 # oneDNN picks the blocked layout for this many rows; any row count works with it afterwards.
 _PACK_BATCH_HINT = 64
-# oneDNN 3.x's AMX bfloat16 brgemm (torch 2.13, 2 threads, an Emerald Rapids Xeon) takes 17-32
-# rows in 1.15-1.2x the time of 33 rows for the default model's layer shapes and 1.45-1.55x for
-# its 49,152-wide lm_head (every row count 9-80 timed, the shapes interleaved as in a forward):
-# there a step of decodes pays less for 33 rows, the padding ignored. Measured nowhere else.
+# oneDNN's AMX bfloat16 brgemm (torch 2.13, 2 threads, an Emerald Rapids Xeon) took 17-32 rows
+# in 1.02-1.16x the time of 33 rows for the default model's four layer shapes together and
+# 1.30-1.61x for its 49,152-wide lm_head (`python -m benchmarks.onednn_rows`: the shapes in turn,
+# as a forward calls them): a step of 17-32 decodes pays less for 33 rows, the padding ignored.
+# Measured nowhere else.
 AMX_SLOW_ROWS = (17, 32)
 AMX_PADDED_ROWS = 33
 
