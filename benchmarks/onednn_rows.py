@@ -1,7 +1,7 @@
 """oneDNN's packed bfloat16 GEMM at every row count of a decode step, the default model's shapes
 called in turn as a forward pass calls them (so each finds the others' weights in the caches),
 each row count as given and as `engine.models.linear.onednn_rows` pads it. Where the CPU has
-AMX that padding takes 17-32 rows to 33 (BENCHMARKS.md, "Decode steps of 17-32 sequences").
+AMX that padding takes 17-32 rows to 33 (BENCHMARKS.md, "On the AMX Xeon again").
 
     python -m benchmarks.onednn_rows [--rows 9-80] [--repeats 15] [--json OUT]
 
