@@ -3,7 +3,8 @@ kernel (csrc/prefill_attention.cpp, the engine's form where it builds: AVX-512, 
 AVX512-BF16), SDPA's flash kernel over K/V heads expanded per query head (the engine's form
 elsewhere), SDPA with `enable_gqa` (which takes SDPA's math path on CPU), and query tiles over
 bmm (`_attend_prefill_tiled`, the form for soft-capped layers). With `--avx2-build` on an
-AVX-512 machine, also the kernel as AVX2 machines build it (`-mno-avx512f`: fp32 only). Default
+AVX-512 machine, also the kernel as AVX2 machines build it (`-mno-avx512f`: fp32 only). On a CPU
+with AMX, also the kernel built without it (its bf16 products on vdpbf16ps instead). Default
 model's shapes (9 query heads, 3 K/V heads, d64); `--pairs` Q:K are a chunk of Q queries at the
 end of K keys (Q == K: a whole prompt). Median ms per call over `--repeats`, the forms
 alternating.
@@ -34,20 +35,18 @@ import torch.nn.functional as F
 
 from engine.attention.cpu_kernel import (
     CFLAGS,
+    NO_AMX_CFLAGS,
     PREFILL_PREFIX,
     PREFILL_SOURCE,
     build_prefill_kernel,
     load_prefill_kernel,
 )
-from engine.attention.torch_paged import (
-    _attend_causal_sdpa,
-    _attend_prefill_tiled,
-    native_prefill_runs,
-)
-from engine.native_build import build_native
+from engine.attention.torch_paged import _attend_causal_sdpa, _attend_prefill_tiled
+from engine.native_build import build_native, cpu_has_amx_bf16
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-FORM_NAMES = ("native kernel", "native kernel, AVX2 build", "sdpa, K/V expanded",
+FORM_NAMES = ("native kernel", "native kernel, AVX2 build", "native kernel, no AMX",
+              "sdpa, K/V expanded",
               "sdpa, enable_gqa", "query tiles")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +69,8 @@ def kernel_at(rev: str, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
 def kernel_builds(avx2_build: bool, against: str | None) -> dict[str, ModuleType | None]:
     """The native kernels to time, by form name."""
     builds = {"native kernel": load_prefill_kernel()}
+    if cpu_has_amx_bf16():  # the kernel's vdpbf16ps products, as a build without AMX has them
+        builds["native kernel, no AMX"] = build_prefill_kernel(NO_AMX_CFLAGS)
     if avx2_build:
         builds["native kernel, AVX2 build"] = build_prefill_kernel(("-mno-avx512f",))
     if against:
@@ -96,8 +97,8 @@ def forms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              "sdpa, enable_gqa": gqa_math,
              "query tiles": lambda: _attend_prefill_tiled(q, k, v, scale, out)}
     k_rows, v_rows = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-    for name, kernel in builds.items():
-        if native_prefill_runs(kernel, q):
+    for name, kernel in builds.items():  # each build that runs the dtype, whatever the policy
+        if kernel is not None and kernel.supports(str(q.dtype).removeprefix("torch.")):
             calls[name] = functools.partial(kernel.causal_prefill_attention, q, k_rows, v_rows,
                                             scale, out, 0)
     return calls

@@ -18,6 +18,7 @@ import signal
 import sys
 from types import ModuleType
 
+from engine.attention.cpu_kernel import NO_AMX_CFLAGS
 from engine.native_build import build_native, cpu_flags
 
 # The decode kernel's variants: flag -> the CPU feature it takes away. Where the machine lacks
@@ -46,15 +47,15 @@ def elementwise_variant(*extra: str) -> ModuleType:
     return build_native(PREFIX, SOURCE, (*CFLAGS, *extra))
 
 
-def prefill_variant(flag: str) -> ModuleType:
+def prefill_variant(*flags: str) -> ModuleType:
     from engine.attention.cpu_kernel import build_prefill_kernel
 
-    return build_prefill_kernel(extra_cflags=(flag,))
+    return build_prefill_kernel(extra_cflags=flags)
 
 
 def _decode_builds() -> None:
     """The attention kernels: decode, then the causal prefill kernel and its builds for
-    machines without AVX512-BF16 and without AVX-512."""
+    machines without AMX, without AVX512-BF16 and without AVX-512."""
     from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
 
     load_cpu_kernel()
@@ -62,6 +63,8 @@ def _decode_builds() -> None:
         if has(feature):
             decode_variant(flag)
     load_prefill_kernel()
+    if has("amx_bf16"):
+        prefill_variant(*NO_AMX_CFLAGS)
     if has("avx512_bf16"):
         prefill_variant("-mno-avx512bf16")
     if has("avx512f"):

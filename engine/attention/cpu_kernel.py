@@ -21,6 +21,9 @@ PREFILL_SOURCE = SOURCE.with_name("prefill_attention.cpp")
 PREFILL_DISABLE_ENV = "PDSERVE_DISABLE_CPU_PREFILL_KERNEL"
 PREFILL_PREFIX = "pdserve_prefill_attention"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+# What a CPU with AVX512-BF16 but no AMX builds (the prefill kernel's bf16 products on vdpbf16ps):
+# the tests and the benchmark build it on AMX machines too.
+NO_AMX_CFLAGS = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
 
 
 def build_kernel(source: Path = SOURCE, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
@@ -47,8 +50,8 @@ def build_prefill_kernel(extra_cflags: tuple[str, ...] = ()) -> ModuleType:
 @functools.cache
 def load_prefill_kernel() -> ModuleType | None:
     """The compiled prefill kernel where this machine runs it (AVX-512, or AVX2 with FMA; its
-    `supports(dtype)` says which dtypes), else None: SDPA's flash kernel attends prompts
-    instead."""
+    `supports(dtype)` says which dtypes, `uses_amx()` whether its bf16 products run on AMX
+    tiles), else None: SDPA's flash kernel attends prompts instead."""
     if os.environ.get(DISABLE_ENV) or os.environ.get(PREFILL_DISABLE_ENV):
         return None
     flags = set(cpu_flags().split())

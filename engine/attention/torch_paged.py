@@ -8,7 +8,8 @@ whole in this step attends its own fresh K/V with `is_causal` (no gather at all)
 cached prefix gathers its blocks and uses a bottom-right causal mask. On CPU with AVX-512 (fp32
 also with AVX2 + FMA) both go to the native causal prefill kernel (csrc/prefill_attention.cpp:
 bf16 dot products where the CPU has them; 1.7x SDPA's flash kernel in fp32 and 3.2x in bf16 on
-a 256-token prompt, Zen 4); else SDPA's flash kernel, over K/V heads expanded per query head
+a 256-token prompt, Zen 4; bf16 products on the AMX tiles where the CPU has those, 1.6-2.5x SDPA
+there); else SDPA's flash kernel, over K/V heads expanded per query head
 (`_attend_causal_sdpa`); soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU
 a short chunk after a cached prefix (up to NATIVE_CHUNK_MAX queries; below
 PREFILL_KERNEL_CHUNK_MIN where the prefill kernel runs) goes to the native decode kernel instead,
@@ -41,6 +42,10 @@ NATIVE_CHUNK_MAX = 64
 # at 32 queries in fp32 (1.49-1.54x in bf16), 0.83-0.96x at 16-24 in fp32 (SmolLM2 shapes,
 # 512 / 2048-token prefixes, Zen 4, 2 threads, the kernel timed with its gather of the prefix).
 PREFILL_KERNEL_CHUNK_MIN = 32
+# With its bf16 products on AMX tiles it takes chunks from 16 queries: decode rows took
+# 1.37-1.63x its time at 16, 1.5x at 24, 1.9-2.5x at 32 and 0.87-1.02x at 8 (same shapes and
+# prefixes, Xeon Emerald Rapids, 2 threads).
+PREFILL_KERNEL_CHUNK_MIN_AMX = 16
 
 
 @dataclass
@@ -154,9 +159,10 @@ def run_planned_attention(
         else:
             _attend_decodes(plan, q, k_cache, v_cache, scale, out, window, softcap)
     kernel_chunks = softcap is None and native_prefill_runs(prefill, q)
+    chunk_min = prefill_kernel_chunk_min(prefill, q)
     for p in plan.prefills:
         if native is not None and p.chunk_table is not None and q.device.type == "cpu" and not (
-                kernel_chunks and p.q_end - p.q_start >= PREFILL_KERNEL_CHUNK_MIN):
+                kernel_chunks and p.q_end - p.q_start >= chunk_min):
             native.paged_decode_attention(q[p.q_start:p.q_end], k_cache, v_cache, p.chunk_table,
                                           p.chunk_lens, scale, out[p.q_start:p.q_end],
                                           window or 0)
@@ -167,11 +173,22 @@ def run_planned_attention(
 
 def native_prefill_runs(kernel: ModuleType | None, q: torch.Tensor) -> bool:
     """Whether the native prefill kernel takes this layer's prompts: on CPU, in a dtype its
-    build supports, at head_dim 64 or 128; not bfloat16 where the CPU has AMX, where SDPA's flash
-    kernel (on oneDNN's AMX GEMMs) took 0.62-0.70x its time."""
-    return (kernel is not None and q.device.type == "cpu" and q.shape[-1] in (64, 128)
-            and kernel.supports(str(q.dtype).removeprefix("torch."))
-            and not (q.dtype == torch.bfloat16 and cpu_has_amx_bf16()))
+    build supports, at head_dim 64 or 128. bfloat16 where the CPU has AMX only if the kernel's
+    products run on the AMX tiles: its vdpbf16ps build took 1.4-1.6x the time of SDPA's flash
+    kernel (on oneDNN's AMX GEMMs) there."""
+    if kernel is None or q.device.type != "cpu" or q.shape[-1] not in (64, 128):
+        return False
+    if not kernel.supports(str(q.dtype).removeprefix("torch.")):
+        return False
+    return q.dtype != torch.bfloat16 or not cpu_has_amx_bf16() or kernel.uses_amx()
+
+
+def prefill_kernel_chunk_min(kernel: ModuleType | None, q: torch.Tensor) -> int:
+    """The fewest queries of a chunk after a cached prefix that the native prefill kernel
+    takes (where it runs) rather than the decode kernel."""
+    if q.dtype == torch.bfloat16 and kernel is not None and kernel.uses_amx():
+        return PREFILL_KERNEL_CHUNK_MIN_AMX
+    return PREFILL_KERNEL_CHUNK_MIN
 
 
 def _attend_prefill(p: _Prefill, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -202,21 +202,23 @@ class _Recorder:
 def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype):
     """Through the backend: chunks of up to NATIVE_CHUNK_MAX queries after a cached prefix go
     to the kernel as decode rows (bottom-right causal), except, where the native prefill kernel
-    runs, those of PREFILL_KERNEL_CHUNK_MIN queries or more, which it takes; a fresh prompt and
-    a longer chunk keep the prefill path; decodes beside them are unaffected."""
+    runs, those of `prefill_kernel_chunk_min` queries or more (32, 16 with AMX in bf16), which it
+    takes; a fresh prompt and a longer chunk keep the prefill path; decodes beside them are
+    unaffected."""
     from engine.attention.torch_paged import (
         NATIVE_CHUNK_MAX,
-        PREFILL_KERNEL_CHUNK_MIN,
         TorchPagedAttention,
         native_prefill_runs,
+        prefill_kernel_chunk_min,
     )
     from tests.engine.test_attention import build_case
 
-    edge = PREFILL_KERNEL_CHUNK_MIN
-    q_lens = [1, 2, 16, edge - 1, edge, NATIVE_CHUNK_MAX, NATIVE_CHUNK_MAX + 1, 20, 1]
+    backend = TorchPagedAttention()
+    probe = torch.empty(1, 9, 64, dtype=dtype)
+    edge = prefill_kernel_chunk_min(backend._native_prefill, probe)
+    q_lens = [1, 2, 12, edge - 1, edge, NATIVE_CHUNK_MAX, NATIVE_CHUNK_MAX + 1, 20, 1]
     seq_lens = [40, 17, 1000, 600, 700, 100, 300, 20, 5]
     args, kwargs = build_case(q_lens, seq_lens, 9, 3, head_dim=64, dtype=dtype)
-    backend = TorchPagedAttention()
     recorder = _Recorder(kernel)
     backend._native = recorder
     backend.prepare(args[3], q_lens, seq_lens, 16)
@@ -225,7 +227,7 @@ def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype
     expected = paged_attention_reference(q, k, v, *args[3:], **kwargs)
     prefill_kernel = native_prefill_runs(backend._native_prefill, args[0])
     as_rows = [n == 1 or (n <= NATIVE_CHUNK_MAX and n < s
-                          and not (prefill_kernel and n >= PREFILL_KERNEL_CHUNK_MIN))
+                          and not (prefill_kernel and n >= edge))
                for n, s in zip(q_lens, seq_lens)]
     native_rows = torch.tensor([rows for n, rows in zip(q_lens, as_rows) for _ in range(n)])
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
@@ -236,4 +238,4 @@ def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype
     chunks = [n for n, rows in zip(q_lens, as_rows) if rows and n > 1]
     assert sorted(recorder.calls) == sorted([2, *chunks])  # the 2 decodes in one call
     if prefill_kernel:
-        assert chunks == [2, 16, edge - 1]
+        assert chunks == [2, 12, edge - 1]

@@ -2,7 +2,8 @@
 against a float64 reference: whole prompts and chunks after a prefix, lengths on both sides of its
 16-query tiles and 32-key chunks (1 to 700), GQA groups 1/3/4/8, head dims 64 and 128, sliding
 windows, strided rows (q, k and v as slices of wider projections), the build machines without
-AVX512-BF16 compile, its refusals, and its place in the torch paged-attention path.
+AVX512-BF16 or AMX compile, its refusals, and its place in the torch paged-attention path. On a
+CPU with AMX the bf16 tests run its AMX products, and the build without them is tested beside it.
 
 Tolerances: float32 within 1e-5. In bfloat16 the kernel rounds each probability to bf16 before
 the V product (as SDPA's bf16 flash kernel does) and the result to bf16 once; with unit-variance
@@ -17,7 +18,7 @@ import math
 import pytest
 import torch
 
-from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
+from engine.attention.cpu_kernel import NO_AMX_CFLAGS, load_cpu_kernel, load_prefill_kernel
 from engine.attention.torch_paged import native_prefill_runs, plan_attention, run_planned_attention
 from tests.conftest import torch_threads
 from tests.native_builds import has, prefill_variant
@@ -167,27 +168,86 @@ def test_bad_shapes_are_refused(kernel):
         kernel.causal_prefill_attention(q, k, v, 0.1, out, -1)
 
 
-def test_with_amx_bf16_prompts_go_to_sdpa_and_float32_ones_to_it(kernel, monkeypatch):
-    """Where the CPU has AMX, SDPA's flash kernel (on oneDNN's AMX GEMMs) attends bfloat16
-    prompts faster than the kernel; float32 prompts stay with the kernel."""
+class _FakeBuild:
+    """A prefill build that runs both dtypes, with or without AMX products."""
+
+    def __init__(self, amx: bool) -> None:
+        self.amx = amx
+
+    def supports(self, dtype: str) -> bool:
+        return dtype in ("float32", "bfloat16")
+
+    def uses_amx(self) -> bool:
+        return self.amx
+
+
+def test_with_amx_bf16_prompts_go_to_the_kernel_only_where_its_products_run_on_amx(monkeypatch):
+    """Where the CPU has AMX, a build whose bf16 products are vdpbf16ps loses to SDPA's flash
+    kernel (on oneDNN's AMX GEMMs): bf16 prompts go to SDPA then, float32 ones stay with it."""
     from engine.attention import torch_paged
 
+    bf16, fp32 = (torch.empty(1, 1, 64, dtype=d) for d in (torch.bfloat16, torch.float32))
     monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: True)
-    assert not native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.bfloat16))
-    assert native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.float32))
+    assert native_prefill_runs(_FakeBuild(amx=True), bf16)
+    assert not native_prefill_runs(_FakeBuild(amx=False), bf16)
+    assert native_prefill_runs(_FakeBuild(amx=False), fp32)
     monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: False)
-    assert native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=torch.bfloat16)) == (
-        kernel.supports("bfloat16"))
+    assert native_prefill_runs(_FakeBuild(amx=False), bf16)
+    assert not native_prefill_runs(None, fp32)
+    assert not native_prefill_runs(_FakeBuild(amx=True), torch.empty(1, 1, 96))
+
+
+def test_with_amx_products_the_kernel_takes_chunks_from_16_queries():
+    from engine.attention.torch_paged import (
+        PREFILL_KERNEL_CHUNK_MIN,
+        PREFILL_KERNEL_CHUNK_MIN_AMX,
+        prefill_kernel_chunk_min,
+    )
+
+    bf16, fp32 = (torch.empty(1, 1, 64, dtype=d) for d in (torch.bfloat16, torch.float32))
+    assert prefill_kernel_chunk_min(_FakeBuild(amx=True), bf16) == PREFILL_KERNEL_CHUNK_MIN_AMX
+    assert prefill_kernel_chunk_min(_FakeBuild(amx=True), fp32) == PREFILL_KERNEL_CHUNK_MIN
+    assert prefill_kernel_chunk_min(_FakeBuild(amx=False), bf16) == PREFILL_KERNEL_CHUNK_MIN
+    assert prefill_kernel_chunk_min(None, bf16) == PREFILL_KERNEL_CHUNK_MIN
+    assert PREFILL_KERNEL_CHUNK_MIN_AMX == 16 < PREFILL_KERNEL_CHUNK_MIN
+
+
+def test_bf16_products_run_on_amx_exactly_where_the_cpu_has_it(kernel):
+    assert kernel.uses_amx() == (has("amx_bf16") and kernel.supports("bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def no_amx_build(kernel):
+    """What a CPU with AVX512-BF16 but no AMX (Zen 4, Cooper Lake) compiles: built here where
+    this machine's own build has the AMX products, so both bf16 paths are tested on it."""
+    if not has("amx_bf16"):
+        pytest.skip("this machine's own build is that build")
+    return prefill_variant(*NO_AMX_CFLAGS)
+
+
+def test_the_build_without_amx_keeps_its_vdpbf16ps_products(no_amx_build):
+    assert not no_amx_build.uses_amx() and no_amx_build.supports("bfloat16")
+    for lq, length in PROMPTS_AND_CHUNKS:
+        check(no_amx_build, lq, length, 3, 64, torch.bfloat16)
+    for group in sorted(HEADS):
+        for dim in (64, 128):
+            check(no_amx_build, 50, 83, group, dim, torch.bfloat16)
+    check(no_amx_build, 200, 500, 3, 64, torch.bfloat16, 64)
+
+
+@pytest.mark.parametrize("lq, length, window", [(1024, 1024, 0), (96, 2000, 0), (700, 700, 300)])
+def test_long_contexts_in_bf16(kernel, lq, length, window):
+    """Long prompts and a long chunk: many key chunks per tile (the AMX path's scores and values
+    accumulate over them), and a window far inside the sequence."""
+    if not kernel.supports("bfloat16"):
+        pytest.skip("this machine's build has no bfloat16 path")
+    check(kernel, lq, length, 3, 64, torch.bfloat16, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_paged_path_attends_prompts_with_it(kernel, dtype, monkeypatch):
+def test_the_paged_path_attends_prompts_with_it(kernel, dtype):
     """A step with a decode row, a whole prompt (its own fresh K/V) and a long chunk after a
-    cached prefix (gathered from the paged cache): the same as the path without the kernel
-    (which an AMX machine would not give bfloat16 prompts: here it does)."""
-    from engine.attention import torch_paged
-
-    monkeypatch.setattr(torch_paged, "cpu_has_amx_bf16", lambda: False)
+    cached prefix (gathered from the paged cache): the same as the path without the kernel."""
     if not native_prefill_runs(kernel, torch.empty(1, 1, 64, dtype=dtype)):
         pytest.skip(f"this machine's build has no {dtype} path")
     g = torch.Generator().manual_seed(1)

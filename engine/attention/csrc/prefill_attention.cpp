@@ -15,7 +15,10 @@
 // register. Probabilities are rounded to bf16 before the V product in the bf16 model, as SDPA's
 // bf16 flash kernel does. On AVX2 (+FMA) machines without AVX-512 the fp32 model runs the same
 // tiles on 8-lane registers (scores through a small buffer: 16 registers do not hold a tile's);
-// bf16 there stays with SDPA (no bf16 arithmetic).
+// bf16 there stays with SDPA (no bf16 arithmetic). Where the build has AMX (Intel Xeon since
+// Sapphire Rapids) the bf16 model's two products run on the AMX tiles instead (prefill_amx.h),
+// 16 rows x 32 keys per tile product, from the same packed keys and values; the softmax is the
+// same code.
 //
 // Masked lanes use a large finite negative rather than -inf (the build uses -ffast-math), and
 // their probabilities are zeroed by mask, so a row whose keys so far were all masked adds nothing.
@@ -32,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "prefill_amx.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__)
@@ -414,53 +418,176 @@ inline void chunk_values(const float* vp, int64_t row, RowState& st) {
 
 #endif  // PREFILL_AVX512 / PREFILL_AVX2
 
-// Per-thread buffers for one work item of up to kQ * group rows (rounded up to kRows).
+// Per-thread buffers for one work item of up to kQ * group rows (rounded up to kRowAlign).
 struct Buffers {
   std::vector<float> o, m, l, alpha, p;
   std::vector<bf16> pb;
   std::vector<const void*> q;
   std::vector<int64_t> limit, start;
+  std::vector<bf16> qa;       // AMX: the item's query rows, [rows][D]
+  std::vector<float> s, pv;   // AMX: one row tile's scores [16][32] and values [16][D]
   Buffers(int64_t rows, int64_t d)
       : o(rows * d), m(rows), l(rows), alpha(rows), p(rows * kKeys), pb(rows * kKeys), q(rows),
-        limit(rows), start(rows) {}
+        limit(rows), start(rows) {
+#if defined(PREFILL_AMX)
+    qa.resize(rows * d);
+    s.resize(amx::kTileRows * kKeys);
+    pv.resize(amx::kTileRows * d);
+#endif
+  }
 };
 
+// Rows are padded to a multiple of the softmax's 8 (kRows), and of a tile's 16 rows with AMX.
+#if defined(PREFILL_AMX)
+constexpr int64_t kRowAlign = amx::kTileRows;
+#else
+constexpr int64_t kRowAlign = kRows;
+#endif
+
 // Work item (g, t): KV head g's query heads at query positions t*kQ .. t*kQ + kQ - 1.
+struct Item {
+  int64_t q0, nq, rows, padded;
+  int64_t first_chunk, last_chunk;  // the key chunks any of its rows sees
+};
+
+// Sets up the item's rows in b: row r = query position r / group, head r % group; rows past
+// `rows` (to `padded`) repeat the last row and are never written out.
 template <typename T, int D>
-void run_item(const Problem<T>& a, int64_t g, int64_t t, Buffers& b) {
-  constexpr int RB = kValueRows<D>;
-  const int64_t offset = a.len - a.lq, q0 = t * kQ, nq = std::min<int64_t>(kQ, a.lq - q0);
-  const int64_t rows = nq * a.group, padded = (rows + kRows - 1) / kRows * kRows;
-  for (int64_t r = 0; r < padded; ++r) {  // row r = query position r / group, head r % group;
-    const int64_t i = std::min(r, rows - 1);  // the padding repeats the last row, unwritten
-    const int64_t pos = offset + q0 + i / a.group;
-    b.q[r] = a.q + (q0 + i / a.group) * a.q_row + (g * a.group + i % a.group) * D;
+Item start_item(const Problem<T>& a, int64_t g, int64_t t, int64_t align, Buffers& b) {
+  Item it;
+  const int64_t offset = a.len - a.lq;
+  it.q0 = t * kQ;
+  it.nq = std::min<int64_t>(kQ, a.lq - it.q0);
+  it.rows = it.nq * a.group;
+  it.padded = (it.rows + align - 1) / align * align;
+  for (int64_t r = 0; r < it.padded; ++r) {
+    const int64_t i = std::min(r, it.rows - 1);
+    const int64_t pos = offset + it.q0 + i / a.group;
+    b.q[r] = a.q + (it.q0 + i / a.group) * a.q_row + (g * a.group + i % a.group) * D;
     b.limit[r] = pos;
     b.start[r] = a.window > 0 ? pos - a.window + 1 : 0;
     b.m[r] = kNeg;
     b.l[r] = 0.f;
   }
-  std::fill(b.o.begin(), b.o.begin() + padded * D, 0.f);
+  std::fill(b.o.begin(), b.o.begin() + it.padded * D, 0.f);
+  const int64_t first_key =
+      a.window > 0 ? std::max<int64_t>(0, offset + it.q0 - a.window + 1) : 0;
+  it.first_chunk = first_key / kKeys;
+  it.last_chunk = (offset + it.q0 + it.nq - 1) / kKeys;
+  return it;
+}
+
+// Normalises the item's rows by their sums and writes them to the output.
+template <typename T, int D>
+void finish_item(const Problem<T>& a, int64_t g, const Item& it, const Buffers& b) {
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const float inv = 1.f / b.l[r];
+    T* dst = a.out + (it.q0 + r / a.group) * a.o_row + (g * a.group + r % a.group) * D;
+    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(b.o[r * D + d] * inv);
+  }
+}
+
+template <typename T, int D>
+void run_item(const Problem<T>& a, int64_t g, int64_t t, Buffers& b) {
+  constexpr int RB = kValueRows<D>;
+  const Item it = start_item<T, D>(a, g, t, kRows, b);
   RowState st{b.o.data(), b.m.data(), b.l.data(), b.alpha.data(), b.p.data(),
               sizeof(T) == 2 ? b.pb.data() : nullptr};
-  const int64_t last = offset + q0 + nq - 1;
-  const int64_t first_key = a.window > 0 ? std::max<int64_t>(0, offset + q0 - a.window + 1) : 0;
   const T* const* q = reinterpret_cast<const T* const*>(b.q.data());
   Scores s;
-  for (int64_t c = first_key / kKeys; c <= last / kKeys; ++c) {
+  for (int64_t c = it.first_chunk; c <= it.last_chunk; ++c) {
     const int64_t base = (g * a.chunks + c) * kKeys * D;
-    for (int64_t row = 0; row < padded; row += kRows) {
+    for (int64_t row = 0; row < it.padded; row += kRows) {
       chunk_scores<D>(q + row, a.kp + base, s);
       softmax_step(s, row, c * kKeys, b.limit.data() + row, b.start.data() + row, a.scale_log2,
                    st);
     }
-    for (int64_t row = 0; row < padded; row += RB) chunk_values<D, RB>(a.vp + base, row, st);
+    for (int64_t row = 0; row < it.padded; row += RB) chunk_values<D, RB>(a.vp + base, row, st);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / b.l[r];
-    T* dst = a.out + (q0 + r / a.group) * a.o_row + (g * a.group + r % a.group) * D;
-    for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(b.o[r * D + d] * inv);
+  finish_item<T, D>(a, g, it, b);
+}
+
+#if defined(PREFILL_AMX)
+
+// One chunk's scores for one tile of 16 rows on the tiles, then their online softmax 8 rows at
+// a time (probabilities into b.pb, each row's rescale into b.alpha).
+template <int D>
+void amx_chunk_scores(const Problem<bf16>& a, const bf16* kp, int64_t c, int64_t row,
+                      Buffers& b, RowState& st) {
+  amx::scores<D>(b.qa.data() + row * D, kp, b.s.data());
+  Scores sc;
+  for (int half = 0; half < 2; ++half) {
+    const float* s = b.s.data() + half * kRows * kKeys;
+    for (int i = 0; i < 2 * kRows; ++i) sc.s[i] = _mm512_loadu_ps(s + i * 16);
+    const int64_t r = row + half * kRows;
+    softmax_step(sc, r, c * kKeys, b.limit.data() + r, b.start.data() + r, a.scale_log2, st);
   }
+}
+
+// o = o * alpha + p . V for one tile of 16 rows, the product on the tiles.
+template <int D>
+void amx_chunk_values(const bf16* vp, int64_t row, Buffers& b) {
+  amx::values<D>(b.pb.data() + row * kKeys, vp, b.pv.data());
+  for (int r = 0; r < amx::kTileRows; ++r) {
+    const __m512 alpha = _mm512_set1_ps(b.alpha[row + r]);
+    float* o = b.o.data() + (row + r) * D;
+    const float* pv = b.pv.data() + r * D;
+    for (int d = 0; d < D; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_fmadd_ps(_mm512_loadu_ps(o + d), alpha,
+                                              _mm512_loadu_ps(pv + d)));
+  }
+}
+
+// run_item for the bf16 model with the products on the AMX tiles (the calling thread holds the
+// tile configuration).
+template <int D>
+void run_item_amx(const Problem<bf16>& a, int64_t g, int64_t t, Buffers& b) {
+  const Item it = start_item<bf16, D>(a, g, t, amx::kTileRows, b);
+  for (int64_t r = 0; r < it.padded; ++r)
+    std::memcpy(b.qa.data() + r * D, b.q[r], sizeof(bf16) * D);
+  RowState st{b.o.data(), b.m.data(), b.l.data(), b.alpha.data(), b.p.data(), b.pb.data()};
+  for (int64_t c = it.first_chunk; c <= it.last_chunk; ++c) {
+    const int64_t base = (g * a.chunks + c) * kKeys * D;
+    // Every row tile's probabilities are written before the first is loaded into a tile: a tile
+    // load right after the vector stores of its data waited on them (~30% of the kernel's time).
+    for (int64_t row = 0; row < it.padded; row += amx::kTileRows)
+      amx_chunk_scores<D>(a, a.kp + base, c, row, b, st);
+    for (int64_t row = 0; row < it.padded; row += amx::kTileRows)
+      amx_chunk_values<D>(a.vp + base, row, b);
+  }
+  finish_item<bf16, D>(a, g, it, b);
+}
+
+#endif  // PREFILL_AMX
+
+// Whether this call's products go to the AMX tiles: the bf16 model in an AMX build whose process
+// was granted the tiles.
+template <typename T>
+bool use_amx() {
+#if defined(PREFILL_AMX)
+  return sizeof(T) == 2 && amx::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// One thread's share of the work items, taken from `next` until none is left.
+template <typename T, int D>
+void run_items(const Problem<T>& a, int64_t tiles, std::atomic<int64_t>& next) {
+  const int64_t items = tiles * a.kv;
+  Buffers b((kQ * a.group + kRowAlign - 1) / kRowAlign * kRowAlign, D);
+#if defined(PREFILL_AMX)
+  if constexpr (sizeof(T) == 2) {
+    if (use_amx<T>()) {
+      amx::TileConfig config;
+      for (int64_t item = next++; item < items; item = next++)
+        run_item_amx<D>(a, item % a.kv, tiles - 1 - item / a.kv, b);
+      return;
+    }
+  }
+#endif
+  for (int64_t item = next++; item < items; item = next++)
+    run_item<T, D>(a, item % a.kv, tiles - 1 - item / a.kv, b);
 }
 
 template <typename T, int D>
@@ -468,14 +595,11 @@ void run(const Problem<T>& a) {
   at::parallel_for(0, a.kv * a.chunks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) pack_chunk<T, D>(a, i / a.chunks, i % a.chunks);
   });
-  const int64_t tiles = (a.lq + kQ - 1) / kQ, items = tiles * a.kv;
+  const int64_t tiles = (a.lq + kQ - 1) / kQ;
   std::atomic<int64_t> next{0};
   // Later tiles see more keys: handed out first, so the last items to finish are short ones.
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Buffers b((kQ * a.group + kRows - 1) / kRows * kRows, D);
-    for (int64_t item = next++; item < items; item = next++)
-      run_item<T, D>(a, item % a.kv, tiles - 1 - item / a.kv, b);
-  });
+  at::parallel_for(0, at::get_num_threads(), 1,
+                   [&](int64_t, int64_t) { run_items<T, D>(a, tiles, next); });
 }
 
 template <typename T>
@@ -510,6 +634,16 @@ void launch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
 }
 
 #endif  // PREFILL_AVX512 || PREFILL_AVX2
+
+// Whether bfloat16 prompts run their products on the AMX tiles: an AMX build in a process the
+// kernel granted them.
+bool uses_amx() {
+#if defined(PREFILL_AMX)
+  return amx::amx_permitted();
+#else
+  return false;
+#endif
+}
 
 bool supports_dtype(const std::string& dtype) {
 #if defined(__AVX512BF16__)
@@ -560,4 +694,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("scale"),
         pybind11::arg("out"), pybind11::arg("window") = 0);
   m.def("supports", &supports_dtype, "whether this build runs the dtype", pybind11::arg("dtype"));
+  m.def("uses_amx", &uses_amx, "whether bfloat16 products run on the AMX tiles");
 }
