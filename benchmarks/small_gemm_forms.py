@@ -5,6 +5,10 @@ both alike); median step times and their ratio.
 
     python -m benchmarks.small_gemm_forms [--running 1,8,16,24,32] [--steps 20]
         [--dtype float32|bfloat16] [--products 64,256,512,2048]
+    python -m benchmarks.small_gemm_forms --amx [--running ...] [--steps 20]
+
+--amx (a CPU with AMX): bfloat16 decode steps through oneDNN and through the AMX GEMM
+(engine/models/csrc/amx_gemm.cpp) instead, alternating step by step in one engine.
 
 --products times prefill-sized products instead: the default model's four linear shapes on
 random weights, at each row count, the forms alternating call by call (GFLOP/s over the four).
@@ -29,6 +33,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models import cpu_small_gemm as gemm_module
 from engine.models import linear as linear_module
+from engine.models.amx_gemm import load_amx_gemm
 from engine.models.cpu_small_gemm import (
     SmallRowGemm,
     build_small_gemm,
@@ -82,6 +87,33 @@ def measure(running: int, steps: int, dtype: str = "float32") -> dict[str, float
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def measure_amx(running: int, steps: int) -> dict[str, float]:
+    """Median seconds of a bfloat16 decode step at `running` sequences: oneDNN's and the AMX
+    GEMM's (engine.models.amx_gemm), alternating step by step in one engine."""
+    if load_amx_gemm() is None:
+        raise SystemExit("the AMX GEMM does not run here (no AMX, or the tiles were refused)")
+    engine = LLMEngine(EngineConfig(
+        dtype="bfloat16", cache=CacheConfig(kv_cache_gb=1.0),
+        scheduler=SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=max(512, running))))
+    layers = linears(engine)
+    packed = [lin.small_rows for lin in layers]
+    for amx in packed:
+        amx.max_rows = amx.native.max_rows()  # timed at every size, whatever the policy
+    forms = {"onednn": [None] * len(layers), "amx": packed}
+    fill(engine, running, max_tokens=3 * steps + 16)
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for i in range(2 * steps + 4):
+        name = list(forms)[i % 2]
+        for lin, form in zip(layers, forms[name]):
+            lin.small_rows = form
+        elapsed = timed_decode_step(engine)
+        if i >= 4:
+            times[name].append(elapsed)
+    for request in list(engine.scheduler.all_requests()):
+        engine.abort(request.request_id)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 # SmolLM2-135M's linears (out, in): fused q/k/v, o, fused gate/up, down.
 DEFAULT_MODEL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
@@ -122,7 +154,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps of each form")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--products", help="row counts: time prefill-sized products instead")
+    parser.add_argument("--amx", action="store_true",
+                        help="bfloat16 decode steps: oneDNN against the AMX GEMM instead")
     args = parser.parse_args()
+    if args.amx:
+        print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+              f"threads, torch {torch.__version__}; bfloat16 decode steps, {args.steps} each")
+        print("| running | oneDNN ms | AMX GEMM ms | oneDNN / AMX GEMM |")
+        print("|---|---|---|---|")
+        for running in (int(n) for n in args.running.split(",")):
+            med = measure_amx(running, args.steps)
+            print(f"| {running} | {med['onednn'] * 1e3:.1f} | {med['amx'] * 1e3:.1f} | "
+                  f"{med['onednn'] / med['amx']:.2f}x |", flush=True)
+        return
     if args.products:
         print(f"{args.dtype} products of the default model's linear shapes, GFLOP/s")
         print("| rows | oneDNN | panel GEMM | kernel / oneDNN |")

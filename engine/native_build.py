@@ -15,6 +15,8 @@ from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
+# Headers every native build may include (the AMX tiles' permission and configuration).
+SHARED_HEADERS = Path(__file__).with_name("csrc")
 # A build takes under a minute on 2 cores: a build lock this old outlived the process that took it.
 STALE_LOCK_S = 900.0
 
@@ -38,9 +40,10 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def extension_name(prefix: str, source: Path, cflags: tuple[str, ...]) -> str:
-    """The build's name: the source, the headers beside it (it may include them), the CPU's
-    flags and the compiler flags, hashed."""
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    """The build's name: the source, the headers beside it and the shared ones (it may include
+    them), the CPU's flags and the compiler flags, hashed."""
+    folders = (source.parent, SHARED_HEADERS)
+    headers = b"".join(h.read_bytes() for f in folders for h in sorted(f.glob("*.h")))
     key = source.read_bytes() + headers + cpu_flags().encode() + " ".join(cflags).encode()
     return f"{prefix}_{hashlib.sha256(key).hexdigest()[:12]}"
 
@@ -72,8 +75,9 @@ def build_native(prefix: str, source: Path, cflags: tuple[str, ...]) -> ModuleTy
 
     name = extension_name(prefix, source, cflags)
     wait_for_build_lock(name)
-    return load(name=name, sources=[str(source)],
-                extra_cflags=list(cflags), extra_ldflags=["-fopenmp"], verbose=False)
+    return load(name=name, sources=[str(source)], extra_cflags=list(cflags),
+                extra_ldflags=["-fopenmp"], extra_include_paths=[str(SHARED_HEADERS)],
+                verbose=False)
 
 
 def try_build_native(prefix: str, source: Path, cflags: tuple[str, ...], what: str

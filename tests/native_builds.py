@@ -5,7 +5,7 @@ included <torch/extension.h>), and the kernel tests build more variants of them 
 without AVX-512 or AVX2 compile). Built one after another, in whichever test first needs each,
 the suite once waited ~4 minutes on g++ running on one core while the other idled. `conftest.py`
 starts this module as two background processes when the session starts — the attention
-builds in one, the element-wise ones and the few-row GEMM in the other — and whichever test
+builds in one, the element-wise ones and the few-row GEMMs in the other — and whichever test
 needs a module first waits for that build through torch's own lock on the build directory (a
 build in progress is never started twice), then loads it from the cache.
 
@@ -82,6 +82,10 @@ def _elementwise_builds() -> None:
         from engine.models.cpu_small_gemm import build_small_gemm
 
         build_small_gemm()
+    if has("amx_bf16"):  # the AMX GEMM
+        from engine.models.amx_gemm import load_amx_gemm
+
+        load_amx_gemm()
 
 
 def _stop_on_sigterm(signum: int, frame: object) -> None:

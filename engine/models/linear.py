@@ -6,8 +6,10 @@ AVX2 CPUs a native panel kernel takes the calls where it was measured faster
 (engine.models.cpu_small_gemm: float32 steps of few rows with AVX2, beside oneDNN; every float32
 and AVX512-BF16 bfloat16 step with AVX-512, alone).
 
-On CPUs with AMX, oneDNN's bfloat16 GEMM (its AMX brgemm) runs 17-32 rows slower than 33: a
-step of that many rows is padded to 33 (`onednn_rows`).
+On CPUs with AMX, bfloat16 calls of few rows go to the AMX GEMM (engine.models.amx_gemm), which
+streams the weights once per call; larger ones to oneDNN. oneDNN's bfloat16 GEMM (its AMX
+brgemm) runs 17-32 rows slower than 33: where it gets such a call (the AMX GEMM disabled), the
+call is padded to 33 (`onednn_rows`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.models.amx_gemm import AmxRowGemm, amx_row_gemm
 from engine.models.cpu_small_gemm import SmallRowGemm, load_cpu_small_gemm, takes
 from engine.native_build import cpu_has_amx_bf16
 
@@ -82,10 +85,15 @@ class Linear:
         return y[:rows].view(*x.shape[:-1], self.out_features)
 
 
-def _small_row_gemm(weight: torch.Tensor, bias: torch.Tensor | None) -> SmallRowGemm | None:
-    """The panel kernel's copy of a CPU weight, where the machine uses it for its dtype."""
+def _small_row_gemm(weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> SmallRowGemm | AmxRowGemm | None:
+    """The few-row kernel's copy of a CPU weight, where the machine uses one for its dtype: the
+    AMX GEMM for bfloat16 where the CPU has AMX, else the panel kernel."""
     if weight.device.type != "cpu":
         return None
+    amx = amx_row_gemm(weight, bias)
+    if amx is not None:
+        return amx
     native = load_cpu_small_gemm()
     if native is None or not takes(native, weight.dtype):
         return None

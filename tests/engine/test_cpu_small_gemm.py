@@ -33,6 +33,13 @@ from tests.conftest import torch_threads
 from tests.native_builds import has
 
 
+@pytest.fixture(autouse=True)
+def without_the_amx_gemm(monkeypatch):
+    """These tests are the panel kernel's: on a CPU with AMX, bfloat16 layers would give their
+    few-row calls to the AMX GEMM instead (tests/engine/test_amx_gemm.py)."""
+    monkeypatch.setattr(linear_module, "amx_row_gemm", lambda weight, bias: None)
+
+
 @pytest.fixture(scope="module")
 def native():
     if not (has("avx2") and has("fma")):

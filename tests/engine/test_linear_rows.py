@@ -18,9 +18,10 @@ def test_only_amx_bf16_calls_of_17_to_32_rows_are_padded():
 
 @pytest.fixture
 def onednn_bf16_linear(monkeypatch: pytest.MonkeyPatch):
-    """A bfloat16 Linear on oneDNN's packed path (no panel kernel) as on an AMX CPU, and the
-    row counts oneDNN was called with."""
+    """A bfloat16 Linear on oneDNN's packed path (no panel kernel, no AMX GEMM) as on an AMX
+    CPU, and the row counts oneDNN was called with."""
     monkeypatch.setattr(linear_module, "load_cpu_small_gemm", lambda: None)
+    monkeypatch.setattr(linear_module, "amx_row_gemm", lambda weight, bias: None)
     monkeypatch.setattr(linear_module, "cpu_has_amx_bf16", lambda: True)
     g = torch.Generator().manual_seed(0)
     weight = (torch.randn(96, 64, generator=g) * 0.1).bfloat16()

@@ -9,51 +9,17 @@
 // values ([16 key pairs][D][2]) for vdpbf16ps. Queries (A of the scores) are copied into
 // [rows][D] per work item, the probabilities (A of the values) are written as [rows][32].
 //
-// All eight tiles are configured 16 rows x 64 bytes. The configuration belongs to the thread, and
-// oneDNN loads its own between our calls, so each thread loads ours (TileConfig) for the span of
-// one kernel call and releases it after. Linux hands out the tiles' 8 KiB of register state only
-// to a process that asked for it (arch_prctl): `amx_permitted` asks once; where it is refused the
-// kernel keeps its vdpbf16ps path.
+// The tiles' permission and configuration: engine/csrc/amx_tiles.h.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_tiles.h"
+
+#if defined(PDSERVE_AMX)
 #define PREFILL_AMX 1
-
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cstdint>
 
 namespace amx {
 
-constexpr int kTileRows = 16;  // rows of A and C per tile
 constexpr int kTileKeys = 32;  // keys per chunk: two C tiles of scores, one A tile of probabilities
-
-// Whether this process may use the tiles (asked of the kernel once, on first call).
-inline bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// Palette 1, tiles 0-7 each 16 rows of 64 bytes; loaded for one kernel call on one thread.
-struct TileConfig {
-  TileConfig() {
-    alignas(64) uint8_t config[64] = {};
-    config[0] = 1;  // palette
-    for (int t = 0; t < 8; ++t) {
-      config[16 + 2 * t] = 64;  // bytes per row (little-endian uint16)
-      config[48 + t] = kTileRows;
-    }
-    _tile_loadconfig(config);
-  }
-  ~TileConfig() { _tile_release(); }
-  TileConfig(const TileConfig&) = delete;
-  TileConfig& operator=(const TileConfig&) = delete;
-};
 
 // s[16][32] (fp32, row stride 32) = q[16][D] (bf16, row stride D) . the chunk's 32 keys, packed
 // [D/2][32][2]: tiles 0, 1 accumulate keys 0-15 and 16-31 over D/32 slices of the head dims.
