@@ -38,6 +38,10 @@ constexpr int64_t kRowBlock = 32;   // rows per pass over a block: two A tiles
 constexpr int64_t kMaxRows = 256;   // the most rows a call may have (eight passes per block)
 constexpr int64_t kStepBytes = 2 * amx::kTileRows * 64;  // one k step of a block: two B tiles
 
+// The weights are prefetched this far ahead of the tile loads: 1.09-1.16x at 32-64 rows, the
+// same at 1-16 (the default model's shapes, 2 threads, weights not in cache).
+constexpr int64_t kPrefetchBytes = 8 * kStepBytes;
+
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 #if defined(PDSERVE_AMX)
@@ -56,6 +60,8 @@ void block_pass(const bf16* xa, int64_t lda, const char* panel, int64_t steps, f
   }
   for (int64_t s = 0; s < steps; ++s) {
     const char* b = panel + s * kStepBytes;
+    for (int line = 0; line < kStepBytes; line += 64)
+      _mm_prefetch(b + kPrefetchBytes + line, _MM_HINT_T0);
     _tile_loadd(2, b, 64);
     _tile_loadd(3, b + kStepBytes / 2, 64);
     _tile_loadd(0, xa + s * kStepK, lda * 2);
