@@ -141,6 +141,16 @@ class ClusterSpec:
         assign_gpus(self.num_workers, num_gpus, fraction)  # e.g. too many workers on one GPU
 
 
+# Starts of a cluster whose router exits during start (its port taken meanwhile), and how long
+# a start waits for the router's health check.
+START_ATTEMPTS = 3
+ROUTER_START_TIMEOUT_S = 60.0
+
+
+class RouterExited(RuntimeError):
+    """The router process exited before it answered its health check."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -162,6 +172,26 @@ class LocalCluster:
         if self.processes:
             raise RuntimeError("this cluster is already started")
         self.resolve_gpus()  # a cluster that cannot fit fails before anything starts
+        # A port free_port found free can be taken before the router binds it (another process
+        # on the machine, e.g. a parallel test's): with ports of our own choosing, a router that
+        # exits during start is started again on fresh ones.
+        attempts = 1 if self.spec.port else START_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once()
+                return self
+            except RouterExited:
+                self.stop()
+                if attempt == attempts:
+                    raise
+                self.processes.clear()
+                self.signalled.clear()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def _start_once(self) -> None:
         port = self.spec.port or free_port(self.spec.host)
         self.address = self.registry_address = f"{self.spec.host}:{port}"
         internal = []
@@ -169,28 +199,35 @@ class LocalCluster:
             internal_port = free_port(self.spec.host)
             self.registry_address = f"{self.spec.host}:{internal_port}"
             internal = ["--internal-port", str(internal_port)]
-        try:
-            http_port = self.spec.http_port
-            if http_port is None:
-                http_port = free_port(self.spec.host)
-            self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
-                                   str(port), "--model", self.spec.model, "--http-port",
-                                   str(http_port), *internal, *self._token_args(),
-                                   *self._tls_args(True), *self._log_args(),
-                                   *self.spec.router_args])
-            # The workers start beside the router, not after it: each loads its model while the
-            # router starts and retries its registration until the router answers.
-            roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
-                     + ["colocated"] * self.spec.colocated)
-            for role in roles:
-                self.spawn_worker(role)
-            if not wait_healthy(self.address, 60.0, read_ca(self.spec.tls_ca)):
-                raise RuntimeError(f"router did not become healthy on {self.address}")
-            self.wait_workers(len(roles), self.spec.ready_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        http_port = self.spec.http_port
+        if http_port is None:
+            http_port = free_port(self.spec.host)
+        self._spawn("router", ["router", "serve", "--host", self.spec.host, "--port",
+                               str(port), "--model", self.spec.model, "--http-port",
+                               str(http_port), *internal, *self._token_args(),
+                               *self._tls_args(True), *self._log_args(),
+                               *self.spec.router_args])
+        # The workers start beside the router, not after it: each loads its model while the
+        # router starts and retries its registration until the router answers.
+        roles = (["prefill"] * self.spec.prefill + ["decode"] * self.spec.decode
+                 + ["colocated"] * self.spec.colocated)
+        for role in roles:
+            self.spawn_worker(role)
+        self._wait_router(ROUTER_START_TIMEOUT_S)
+        self.wait_workers(len(roles), self.spec.ready_timeout_s)
+
+    def _wait_router(self, timeout_s: float) -> None:
+        """Until the router answers its health check; RouterExited if its process exits first,
+        RuntimeError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        ca = read_ca(self.spec.tls_ca)
+        while time.monotonic() < deadline:
+            if self.processes["router"].poll() is not None:
+                raise RouterExited(f"the router exited during start (address {self.address})"
+                                   + (f"; logs in {self.log_dir}" if self.log_dir else ""))
+            if wait_healthy(self.address, min(1.0, max(0.1, deadline - time.monotonic())), ca):
+                return
+        raise RuntimeError(f"router did not become healthy on {self.address}")
 
     def spawn_worker(self, role: str) -> str:
         """Start one more worker process (it registers with the router on its own); its name is
