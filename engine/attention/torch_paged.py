@@ -8,7 +8,7 @@ whole in this step attends its own fresh K/V with `is_causal` (no gather at all)
 cached prefix gathers its blocks and uses a bottom-right causal mask. On CPU with AVX-512 (fp32
 also with AVX2 + FMA) both go to the native causal prefill kernel (csrc/prefill_attention.cpp:
 bf16 dot products where the CPU has them; 1.7x SDPA's flash kernel in fp32 and 3.2x in bf16 on
-a 256-token prompt, Zen 4; bf16 products on the AMX tiles where the CPU has those, 1.6-2.5x SDPA
+a 256-token prompt, Zen 4; bf16 products on the AMX tiles where the CPU has those, 1.8-2.4x SDPA
 there); else SDPA's flash kernel, over K/V heads expanded per query head
 (`_attend_causal_sdpa`); soft-capped layers take query tiles (`_attend_prefill_tiled`). On CPU
 a short chunk after a cached prefix (up to NATIVE_CHUNK_MAX queries; below
