@@ -72,15 +72,22 @@ def measure(running: int, steps: int, dtype: str = "float32") -> dict[str, float
     packed = [lin.small_rows for lin in layers]
     for small in packed:
         small.max_rows = None  # timed at every size, whatever the policy
-    forms = {"onednn": [None] * len(layers), "kernel": packed}
+    return alternate_forms(engine, layers, {"onednn": [None] * len(layers), "kernel": packed},
+                           running, steps)
+
+
+def alternate_forms(engine: LLMEngine, layers: list[Linear], forms: dict[str, list],
+                    running: int, steps: int) -> dict[str, float]:
+    """Median seconds of a decode step at `running` sequences with each form's few-row GEMMs
+    in the layers (None: oneDNN), the forms taking turns step by step."""
     fill(engine, running, max_tokens=3 * steps + 16)
     times: dict[str, list[float]] = {name: [] for name in forms}
-    for i in range(2 * steps + 4):
-        name = list(forms)[i % 2]
+    for i in range(len(forms) * (steps + 2)):
+        name = list(forms)[i % len(forms)]
         for lin, small in zip(layers, forms[name]):
             lin.small_rows = small
         elapsed = timed_decode_step(engine)
-        if i >= 4:  # the first steps of each form (first touch) are not timed
+        if i >= 2 * len(forms):  # the first steps of each form (first touch) are not timed
             times[name].append(elapsed)
     for request in list(engine.scheduler.all_requests()):
         engine.abort(request.request_id)
@@ -99,19 +106,8 @@ def measure_amx(running: int, steps: int) -> dict[str, float]:
     packed = [lin.small_rows for lin in layers]
     for amx in packed:
         amx.max_rows = amx.native.max_rows()  # timed at every size, whatever the policy
-    forms = {"onednn": [None] * len(layers), "amx": packed}
-    fill(engine, running, max_tokens=3 * steps + 16)
-    times: dict[str, list[float]] = {name: [] for name in forms}
-    for i in range(2 * steps + 4):
-        name = list(forms)[i % 2]
-        for lin, form in zip(layers, forms[name]):
-            lin.small_rows = form
-        elapsed = timed_decode_step(engine)
-        if i >= 4:
-            times[name].append(elapsed)
-    for request in list(engine.scheduler.all_requests()):
-        engine.abort(request.request_id)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return alternate_forms(engine, layers, {"onednn": [None] * len(layers), "amx": packed},
+                           running, steps)
 
 
 # SmolLM2-135M's linears (out, in): fused q/k/v, o, fused gate/up, down.
