@@ -53,16 +53,17 @@ def test_no_source_file_is_hidden_from_git():
 
 
 def test_every_native_kernel_source_ships_in_the_package():
-    """A kernel's C++ source not named in package-data would be missing from an installed
-    pdserve, which would then fall back to the torch path without saying why."""
+    """A kernel's C++ source or header not named in package-data would be missing from an
+    installed pdserve, which would then fall back to the torch path without saying why."""
     import fnmatch
 
     import tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     globs = config["tool"]["setuptools"]["package-data"]
-    sources = [path.relative_to(ROOT) for path in ROOT.glob("*/**/csrc/*.cpp")
-               if ".venv" not in path.parts]
+    sources = [path.relative_to(ROOT) for pattern in ("*/**/csrc/*.cpp", "*/**/csrc/*.h")
+               for path in ROOT.glob(pattern)
+               if not path.relative_to(ROOT).parts[0].startswith(".")]  # virtualenvs, .git
     assert sources
     unshipped = [str(path) for path in sources
                  if not any(fnmatch.fnmatch(str(path.relative_to(path.parts[0])), pattern)
