@@ -33,7 +33,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.models import cpu_small_gemm as gemm_module
 from engine.models import linear as linear_module
-from engine.models.amx_gemm import load_amx_gemm
+from engine.models.amx_gemm import AMX_GEMM_MAX_ROWS, load_amx_gemm
 from engine.models.cpu_small_gemm import (
     SmallRowGemm,
     build_small_gemm,
@@ -59,6 +59,7 @@ def measure(running: int, steps: int, dtype: str = "float32") -> dict[str, float
     # This engine packs for both forms: a row limit keeps each layer's oneDNN copy (a layer
     # whose kernel takes every call keeps none), lifted once the engine is built.
     linear_module.load_cpu_small_gemm = lambda: native
+    linear_module.amx_row_gemm = lambda weight, bias: None  # the panel kernel's comparison
     unlimited = gemm_module.max_rows
     gemm_module.max_rows = lambda native, dtype: 1
     try:
@@ -153,37 +154,44 @@ def main() -> None:
     parser.add_argument("--amx", action="store_true",
                         help="bfloat16 decode steps: oneDNN against the AMX GEMM instead")
     args = parser.parse_args()
-    if args.amx:
-        print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-              f"threads, torch {torch.__version__}; bfloat16 decode steps, {args.steps} each")
-        print("| running | oneDNN ms | AMX GEMM ms | oneDNN / AMX GEMM |")
-        print("|---|---|---|---|")
-        for running in (int(n) for n in args.running.split(",")):
-            med = measure_amx(running, args.steps)
-            print(f"| {running} | {med['onednn'] * 1e3:.1f} | {med['amx'] * 1e3:.1f} | "
-                  f"{med['onednn'] / med['amx']:.2f}x |", flush=True)
-        return
     if args.products:
-        print(f"{args.dtype} products of the default model's linear shapes, GFLOP/s")
-        print("| rows | oneDNN | panel GEMM | kernel / oneDNN |")
-        print("|---|---|---|---|")
-        for rows in (int(n) for n in args.products.split(",")):
-            rate = product_rates(rows, args.dtype)
-            print(f"| {rows} | {rate['onednn']:.0f} | {rate['kernel']:.0f} | "
-                  f"{rate['kernel'] / rate['onednn']:.2f}x |", flush=True)
-        return
+        print_products(args.products, args.dtype)
+    elif args.amx:
+        print_steps(args.running, args.steps, "bfloat16", amx=True)
+    else:
+        print_steps(args.running, args.steps, args.dtype, amx=False)
+
+
+def print_products(products: str, dtype: str) -> None:
+    print(f"{dtype} products of the default model's linear shapes, GFLOP/s")
+    print("| rows | oneDNN | panel GEMM | kernel / oneDNN |")
+    print("|---|---|---|---|")
+    for rows in (int(n) for n in products.split(",")):
+        rate = product_rates(rows, dtype)
+        print(f"| {rows} | {rate['onednn']:.0f} | {rate['kernel']:.0f} | "
+              f"{rate['kernel'] / rate['onednn']:.2f}x |", flush=True)
+
+
+def print_steps(running_list: str, steps: int, dtype: str, amx: bool) -> None:
+    """Decode steps at each running count: oneDNN against the panel GEMM, or (`amx`) against
+    the AMX GEMM."""
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}; {args.dtype} decode steps, {args.steps} each")
-    print("| running | oneDNN ms | panel GEMM ms | oneDNN / kernel | default |")
-    print("|---|---|---|---|---|")
-    for running in (int(n) for n in args.running.split(",")):
-        med = measure(running, args.steps, args.dtype)
-        print(f"| {running} | {med['onednn'] * 1e3:.1f} | {med['kernel'] * 1e3:.1f} | "
-              f"{med['onednn'] / med['kernel']:.2f}x | {default_form(running, args.dtype)} |",
-              flush=True)
+          f"threads, torch {torch.__version__}; {dtype} decode steps, {steps} each")
+    other = "AMX GEMM" if amx else "panel GEMM"
+    print(f"| running | oneDNN ms | {other} ms | oneDNN / {other} |"
+          + ("" if amx else " default |"))
+    print("|---|---|---|---|" + ("" if amx else "---|"))
+    for running in (int(n) for n in running_list.split(",")):
+        med = measure_amx(running, steps) if amx else measure(running, steps, dtype)
+        key = "amx" if amx else "kernel"
+        line = (f"| {running} | {med['onednn'] * 1e3:.1f} | {med[key] * 1e3:.1f} | "
+                f"{med['onednn'] / med[key]:.2f}x |")
+        print(line + ("" if amx else f" {default_form(running, dtype)} |"), flush=True)
 
 
 def default_form(running: int, dtype: str) -> str:
+    if dtype == "bfloat16" and load_amx_gemm() is not None and running <= AMX_GEMM_MAX_ROWS:
+        return "AMX GEMM"
     native = build_small_gemm()
     if native is None or load_cpu_small_gemm() is None:
         return "oneDNN"
