@@ -13,7 +13,9 @@ inside the default model's steps:
   takes every call and the layer keeps no oneDNN copy.
 - bfloat16 on a CPU with AMX (Intel Xeon, Emerald Rapids measured): oneDNN's AMX GEMM wins from
   about 8 rows up (0.73-0.86x the kernel's time at 12-32 rows, 0.14-0.20x in prefill-sized
-  products), the kernel below (1.15-1.49x at 1-4 rows). Such a layer keeps both copies.
+  products), the kernel below (1.15-1.49x at 1-4 rows). There the AMX GEMM
+  (engine.models.amx_gemm) takes those few-row calls instead where it loads, faster than both;
+  without it such a layer keeps both copies, this kernel taking at most 8 rows.
 PDSERVE_DISABLE_CPU_SMALL_GEMM=1 keeps oneDNN everywhere.
 """
 
