@@ -206,8 +206,10 @@ class OutputMux:
                 del self._calls[call.request_id]
 
     def close(self) -> None:
-        """Stop reading (the worker aborts what still streams here)."""
-        self._stream.cancel()
+        """Stop reading: what still streams here fails over (UNAVAILABLE) now, before the
+        worker, seeing the stream end, aborts those requests and their DecodeInto calls answer
+        ABORTED, which would read as the request's own failure."""
+        self._fail_all("was closed by the router")
 
     def _read(self) -> None:
         reason = "ended"
@@ -232,10 +234,10 @@ class OutputMux:
             self.closed = True
             calls, self._calls = list(self._calls.values()), {}
         self._attached.set()  # an `attach` waiting sees the failure at once
-        self._stream.cancel()  # a no-op once it ended; else the worker aborts what is left
         if calls:
             log.warning("the Outputs stream of worker %s %s; %d requests on it fail over",
                         self.worker_id, reason, len(calls))
-        for call in calls:
+        for call in calls:  # first: each call's first error is this one
             call.fail(StreamError(grpc.StatusCode.UNAVAILABLE,
                                   f"the Outputs stream of worker {self.worker_id} {reason}"))
+        self._stream.cancel()  # a no-op once it ended; else the worker aborts what is left
