@@ -24,13 +24,14 @@ SOURCE = Path(__file__).with_name("csrc") / "amx_gemm.cpp"
 DISABLE_ENV = "PDSERVE_DISABLE_AMX_GEMM"
 PREFIX = "pdserve_amx_gemm"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
-# The most rows a call may have to take the kernel. Whole decode steps of the default model
-# against oneDNN (Emerald Rapids, 2 threads): 1.29-1.32x faster at 1-16 sequences, 1.12-1.21x at
-# 24-32; at 48-96, 1.07-1.11x in two later invocations (an earlier one read 0.91-1.08x at 48
-# and parity at 64); parity at 128, 1.05x at 160. Its tile products are compute bound from
-# ~48 rows on (the two vCPUs there share one core's AMX unit: one thread is as fast as two),
-# where oneDNN's larger blocking pulls ahead past ~128 rows.
-AMX_GEMM_MAX_ROWS = 96
+# The most rows a call may have to take the kernel: every decode step at the CPU default of 64
+# sequences. Whole decode steps of the default model against oneDNN (Emerald Rapids, 2
+# threads): 1.29-1.32x faster at 1-16 sequences, 1.12-1.21x at 24-32; 1.07-1.11x at 48-64 in two
+# later invocations (an earlier one read 0.91-1.08x at 48 and parity at 64). Above 64 the
+# evidence conflicts (whole steps 1.07x at 96 and parity at 128; the linears alone, lm_head
+# left out, 0.88x at 96 in `benchmarks.amx_gemm_sources`). From ~48 rows on the kernel is bound
+# by the tile unit, which the two vCPUs there share (one thread is as fast as two).
+AMX_GEMM_MAX_ROWS = 64
 
 
 @functools.cache
