@@ -74,10 +74,14 @@ class OutputsStream:
         self._batches.put(pb.OutputBatch(chunks=[pb.RequestChunk(request_id=request_id,
                                                                  chunk=chunk)]))
 
+    def end(self) -> None:
+        """The worker ends the stream."""
+        self._batches.put(None)
+
     def cancel(self) -> None:
         for call in self._calls:
             call.fail(Aborted())
-        self._batches.put(None)
+        self.end()
 
 
 class Channel:
@@ -134,7 +138,7 @@ def test_a_stream_that_ends_by_itself_fails_its_requests_over():
     mux = OutputMux(channel, "decode-0")  # type: ignore[arg-type]
     assert mux.attach(30)
     call = mux.open(pb.DecodeRequest(request_id="r0"), time.monotonic() + 60)
-    channel.stream._batches.put(None)  # the worker ended it
+    channel.stream.end()
     with pytest.raises(StreamError) as failed:
         next(call)
     assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
