@@ -197,12 +197,12 @@ def _add_placement_args(parser: argparse.ArgumentParser) -> None:
                         help="cache-aware: prefer workers whose prefix cache holds the prompt's "
                              "start, weighed against their queues; load: queues only")
     parser.add_argument("--local-prefill", default="auto", choices=["auto", "off"],
-                        help="auto: a decode worker prefills short prompts (and any prompt when "
-                             "the prefill workers are backed up) itself; off: prefill workers "
-                             "always do")
+                        help="auto: a decode worker prefills short prompts (one of its "
+                             "prefill chunks) and any prompt when the prefill workers are "
+                             "backed up itself; off: prefill workers always do")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=512,
                         help="auto: the prefill work (queued + this prompt) up to which a "
-                             "decode worker prefills locally")
+                             "decode worker prefills a prompt of one chunk locally")
     parser.add_argument("--queue-policy", default="short_first", choices=["fcfs", "short_first"],
                         help="which request queued in the router gets the next free slot "
                              "(short_first: fewest prompt tokens, within the age bound)")

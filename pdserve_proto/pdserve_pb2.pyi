@@ -440,7 +440,7 @@ class PrefixDigest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_receiver_id", "tensor_parallel_size", "kv_layout")
+    __slots__ = ("worker_id", "role", "address", "model", "block_size", "max_model_len", "kv_transfer_host", "load", "metrics_address", "host_id", "kv_device", "kv_transport", "kv_receiver_id", "tensor_parallel_size", "kv_layout", "prefill_chunk_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,7 @@ class RegisterRequest(_message.Message):
     KV_RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -471,7 +472,8 @@ class RegisterRequest(_message.Message):
     kv_receiver_id: str
     tensor_parallel_size: int
     kv_layout: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_receiver_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    prefill_chunk_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_transfer_host: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., metrics_address: _Optional[str] = ..., host_id: _Optional[str] = ..., kv_device: _Optional[str] = ..., kv_transport: _Optional[str] = ..., kv_receiver_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)

@@ -186,7 +186,8 @@ class ClusterSim:
                                                  w.queued_tokens))
         pool = min(self.prefill, key=lambda w: w.queued_tokens)
         decision = self.site.decide(SiteInputs(request.prompt_tokens, 0, decode.queued_tokens,
-                                               pool.queued_tokens + request.prompt_tokens))
+                                               pool.queued_tokens + request.prompt_tokens,
+                                               decode.chunk))
         request.site = decision.site
         if decision.local:
             self._enqueue(decode, request, now)

@@ -126,7 +126,8 @@ def registration(options: WorkerOptions, role: WorkerRole, address: str,
         host_id=local_host_id(), kv_device=device_identity(torch.device(options.device)),
         kv_transport=options.kv_transport, kv_receiver_id=role.kv_receiver_id(),
         tensor_parallel_size=options.tensor_parallel_size,
-        kv_layout=engine.runner.kv_shards.layout_text())
+        kv_layout=engine.runner.kv_shards.layout_text(),
+        prefill_chunk_tokens=engine.scheduler.config.chunk_limit)
 
 
 class WorkerProcess:

@@ -56,6 +56,9 @@ class Worker:
     # What a peer's KV cache must match (layers, block size, KV heads, head size, dtype), as the
     # worker reports it; "" when it does not say.
     kv_layout: str = ""
+    # The most prompt tokens a request gets in one of its steps (0: it did not say): a decode
+    # worker prefills a prompt the router sends it whole in chunks of this size.
+    prefill_chunk_tokens: int = 0
     # The keys of the KV blocks its prefix cache holds, as last reported (cache-aware placement).
     prefix_hashes: frozenset[int] = frozenset()
 

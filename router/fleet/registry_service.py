@@ -60,7 +60,7 @@ def _worker(request: pb.RegisterRequest) -> Worker:
         kv_receiver_id=request.kv_receiver_id,
         tensor_parallel_size=max(1, request.tensor_parallel_size),
         prefix_hashes=_prefix(request.load) or frozenset(),
-        kv_layout=request.kv_layout)
+        kv_layout=request.kv_layout, prefill_chunk_tokens=request.prefill_chunk_tokens)
 
 
 def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:

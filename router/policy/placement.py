@@ -148,7 +148,8 @@ class PlacementPolicy:
         pool = [self.prefill_work(w, keys, prompt_tokens)
                 for w in self.prefill_candidates(exclude, (Role.PREFILL,), decode)]
         return SiteInputs(prompt_tokens, self.cached_tokens(decode, keys, prompt_tokens),
-                          self.queued_tokens(decode), min(pool) if pool else None)
+                          self.queued_tokens(decode), min(pool) if pool else None,
+                          decode.prefill_chunk_tokens)
 
     # ---- placing ---------------------------------------------------------------------------
     def prefill_candidates(self, exclude: frozenset[str], roles: tuple[Role, ...],

@@ -44,13 +44,19 @@ def test_a_long_prompt_is_prefilled_remotely_and_joins_the_decode_batch():
     assert math.isclose(request.ttft, 0.8) and math.isclose(request.end, 0.92)
 
 
-def test_a_short_prompt_is_prefilled_by_the_decode_worker_in_small_chunks():
+def test_a_prompt_of_one_chunk_is_prefilled_by_the_decode_worker_a_longer_one_remotely():
+    (short,) = ClusterSim(Topology(prefill=1, decode=1), PROFILE).run([(0.0, 30, 1)])
+    assert short.site == "local" and math.isclose(short.ttft, 0.13)
+    # 100 tokens would take the decode worker four steps (chunks of 32, 32, 32, 4: 0.5 s); the
+    # idle prefill worker takes one (0.2 s)
     (request,) = ClusterSim(Topology(prefill=1, decode=1), PROFILE).run([(0.0, 100, 1)])
-    assert request.site == "local"
-    assert math.isclose(request.ttft, 3 * 0.132 + 0.104)  # chunks of 32, 32, 32, 4 tokens
+    assert request.site == "remote" and math.isclose(request.ttft, 0.2)
+    (wide,) = ClusterSim(Topology(prefill=1, decode=1, local_chunk=128),
+                         PROFILE).run([(0.0, 100, 1)])
+    assert wide.site == "local" and math.isclose(wide.ttft, 0.2)
     (off,) = ClusterSim(Topology(prefill=1, decode=1, local_prefill="off"),
-                        PROFILE).run([(0.0, 100, 1)])
-    assert off.site == "remote" and math.isclose(off.ttft, 0.2)
+                        PROFILE).run([(0.0, 30, 1)])
+    assert off.site == "remote" and math.isclose(off.ttft, 0.13)
 
 
 def test_a_short_prompt_overtakes_a_long_one_between_steps():

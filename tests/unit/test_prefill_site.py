@@ -7,9 +7,9 @@ import pytest
 from router.policy.prefill_site import PrefillSiteConfig, PrefillSitePolicy, SiteInputs
 
 
-def inputs(prompt: int, cached: int = 0, queued: int = 0, pool: int | None = 10_000
-           ) -> SiteInputs:
-    return SiteInputs(prompt, cached, queued, pool)
+def inputs(prompt: int, cached: int = 0, queued: int = 0, pool: int | None = 10_000,
+           chunk: int = 0) -> SiteInputs:
+    return SiteInputs(prompt, cached, queued, pool, chunk)
 
 
 def test_a_short_prompt_is_prefilled_by_the_decode_worker():
@@ -28,6 +28,19 @@ def test_local_work_already_queued_counts_against_the_short_limit():
     assert policy.decide(inputs(300, queued=200, pool=300)).local
     decision = policy.decide(inputs(300, queued=300, pool=300))
     assert not decision.local and decision.reason == "long"
+
+
+def test_a_prompt_of_several_of_the_decode_workers_chunks_is_not_short():
+    """The decode worker would take one step per chunk; an idle prefill worker takes one."""
+    policy = PrefillSitePolicy(PrefillSiteConfig(max_local_tokens=512))
+    assert policy.decide(inputs(32, pool=32, chunk=32)).local
+    decision = policy.decide(inputs(33, pool=33, chunk=32))
+    assert not decision.local and decision.reason == "long"
+    assert "chunks of 32" in decision.describe()
+    # what the decode worker caches does not count: 200 - 180 tokens fit in one chunk
+    assert policy.decide(inputs(200, cached=180, pool=200, chunk=32)).reason == "short"
+    # a backed-up pool still sends it local, chunks or not
+    assert policy.decide(inputs(256, pool=4 * 256 + 1, chunk=32)).reason == "pool backed up"
 
 
 def test_the_decode_workers_cached_prefix_is_not_local_work():
