@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
 from router.policy.placement import PlacementPolicy
 
@@ -157,10 +158,11 @@ def test_site_inputs_report_the_best_pool_worker_and_the_decode_side():
     registry.register(worker("p1", Role.PREFILL, queued=700))
     decode = worker("d0", Role.DECODE, queued=30)
     decode.prefix_hashes = frozenset(keys[:4])
+    decode.prefill_chunk_tokens = 32
     registry.register(decode)
     inputs = policy.site_inputs(320, registry.get("d0"), frozenset(), keys)
     assert (inputs.prompt_tokens, inputs.decode_cached_tokens, inputs.decode_queued_tokens,
-            inputs.pool_tokens) == (320, 64, 30, 1020)
+            inputs.pool_tokens, inputs.decode_chunk_tokens) == (320, 64, 30, 1020, 32)
     assert policy.site_inputs(320, registry.get("d0"), frozenset({"p0", "p1"}),
                               keys).pool_tokens is None
 
@@ -187,3 +189,16 @@ def test_a_worker_whose_kv_layout_its_peers_cannot_exchange_is_refused_at_regist
     registry.register(replace(worker("c0", Role.COLOCATED), kv_layout="layers=9"))
     registry.register(replace(worker("d0", Role.DECODE), kv_layout=fp32))
     assert sorted(w.worker_id for w in registry.snapshot()) == ["c0", "d0", "p0"]
+
+
+def test_a_worker_registers_its_prefill_chunk():
+    """What conditional disaggregation counts a decode worker's steps by (0: not said)."""
+    from router.fleet.registry_service import _worker
+
+    def registered(**fields: object) -> Worker:
+        return _worker(pb.RegisterRequest(worker_id="d0", role=pb.WORKER_ROLE_DECODE,
+                                          address="127.0.0.1:1", block_size=16,
+                                          max_model_len=2048, **fields))
+
+    assert registered(prefill_chunk_tokens=32).prefill_chunk_tokens == 32
+    assert registered().prefill_chunk_tokens == 0
