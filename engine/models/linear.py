@@ -35,11 +35,11 @@ AMX_PADDED_ROWS = 33
 # oneDNN's first call at a row count it has not met builds that count's primitive: 3.6-6.5 ms
 # per layer shape at 300-400 rows, the default model's four shapes 19-21 ms against 4-5.5 ms
 # once built (bfloat16, 2 threads, the Emerald Rapids Xeon; every layer shares them, so a step
-# pays it once). A served colocated worker's prompt steps have a new count at nearly every step
-# (the prompt plus however many decode): prompt steps of 256-286 rows took 97-191 ms, the slow
-# ones at counts met for the first time. Rounding such calls up to a multiple of 16 rows keeps
-# the counts few (a 2,048-token step: 128 of them) for at most 15 rows of padding, <6% from 256
-# rows up. Decode steps (at most 64 rows by default on CPU) keep their exact counts: 64 of them.
+# pays it once). A served worker's prompt steps have a new count at nearly every step (the
+# prompt plus however many decode). Rounding such calls up to a multiple of 16 rows (the AMX
+# tile's height) keeps the counts few (a 2,048-token step: 128 of them) for at most 15 rows of
+# padding, <6% from 256 rows up; offline_mixed bf16 read 1.03x with it. Decode steps (at most 64
+# rows by default on CPU) keep their exact counts: 64 of them.
 ROW_BUCKET = 16
 BUCKETED_ABOVE = 64
 
