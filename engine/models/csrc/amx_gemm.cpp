@@ -50,6 +50,14 @@ using bf16 = c10::BFloat16;
 
 // One block's pass over K for up to 32 rows (two row tiles when `two`): A tiles 0, 1; B tiles
 // 2, 3; C tiles 4, 5 (rows 0-15) and 6, 7 (rows 16-31), stored to c [32][32] float32.
+// Tiles are not renamed: a load into a tile waits for the products that read it. So the loads
+// of step s + 1 are issued each right after the last product of step s that reads its tile, and
+// run beside the products still to come, rather than all at the top of the step, behind every
+// product of the step before. The products and their order are unchanged (the same sums). On an
+// Emerald Rapids Xeon (2 threads): the default model's 30 layers' linears 1.05-1.13x faster at
+// 24-96 rows, 1.01-1.03x at 1-16 (25 interleaved repeats); whole decode steps, the two builds
+// taking turns step by step in one engine, faster in 42 of 60 pairs at 64 running (median
+// 1.013x) and 46 of 60 at 32 (1.024x).
 template <bool two>
 void block_pass(const bf16* xa, int64_t lda, const char* panel, int64_t steps, float* c) {
   _tile_zero(4);
@@ -58,19 +66,31 @@ void block_pass(const bf16* xa, int64_t lda, const char* panel, int64_t steps, f
     _tile_zero(6);
     _tile_zero(7);
   }
+  _tile_loadd(0, xa, lda * 2);
+  _tile_loadd(2, panel, 64);
+  _tile_loadd(3, panel + kStepBytes / 2, 64);
+  if constexpr (two) _tile_loadd(1, xa + 16 * lda, lda * 2);
   for (int64_t s = 0; s < steps; ++s) {
-    const char* b = panel + s * kStepBytes;
+    const bool more = s + 1 < steps;
+    const char* b = panel + (s + 1) * kStepBytes;  // step s + 1's tiles
+    const bf16* a = xa + (s + 1) * kStepK;
     for (int line = 0; line < kStepBytes; line += 64)
-      _mm_prefetch(b + kPrefetchBytes + line, _MM_HINT_T0);
-    _tile_loadd(2, b, 64);
-    _tile_loadd(3, b + kStepBytes / 2, 64);
-    _tile_loadd(0, xa + s * kStepK, lda * 2);
+      _mm_prefetch(panel + s * kStepBytes + kPrefetchBytes + line, _MM_HINT_T0);
     _tile_dpbf16ps(4, 0, 2);
     _tile_dpbf16ps(5, 0, 3);
     if constexpr (two) {
-      _tile_loadd(1, xa + 16 * lda + s * kStepK, lda * 2);
+      if (more) _tile_loadd(0, a, lda * 2);
       _tile_dpbf16ps(6, 1, 2);
+      if (more) _tile_loadd(2, b, 64);
       _tile_dpbf16ps(7, 1, 3);
+      if (more) {
+        _tile_loadd(3, b + kStepBytes / 2, 64);
+        _tile_loadd(1, a + 16 * lda, lda * 2);
+      }
+    } else if (more) {
+      _tile_loadd(0, a, lda * 2);
+      _tile_loadd(2, b, 64);
+      _tile_loadd(3, b + kStepBytes / 2, 64);
     }
   }
   _tile_stored(4, c, kBlockCols * 4);
