@@ -129,15 +129,30 @@ def test_vllm_side_imports_nothing_of_the_project_venv():
 
 
 def test_prefill_passes_are_fresh_prompts_of_the_asked_shape():
-    from benchmarks.prefill_vs_vllm import time_passes
+    from benchmarks.prefill_vs_vllm import serve_passes
 
     seen: list[list[list[int]]] = []
-    result = time_passes(seen.append, [1, 3], length=5, repeats=2)
-    assert set(result) == {"1", "3"} and all(ms >= 0 for ms in result.values())
-    assert [len(batch) for batch in seen] == [2, 1, 1, 3, 3]  # the warm-up, then 2 per count
+    replies: list[str] = []
+    serve_passes(seen.append, 5, ["1", "3", "3"], replies.append)
+    assert [len(batch) for batch in seen] == [2, 1, 3, 3]  # the warm-up, then one per command
+    assert replies[0] == "READY" and len(replies) == 4
+    assert all(r.startswith("PASS ") and float(r.split()[1]) >= 0 for r in replies[1:])
     assert all(len(prompt) == 5 for batch in seen for prompt in batch)
     prompts = [tuple(prompt) for batch in seen for prompt in batch]
     assert len(set(prompts)) == len(prompts)  # no pass reuses a prompt: no prefix-cache hit
+    again: list[list[list[int]]] = []
+    serve_passes(again.append, 5, ["1", "3", "3"], lambda _: None)
+    assert again == seen  # every system gets the same prompts
+
+
+def test_prefill_systems_take_turns_and_pair_their_passes():
+    from benchmarks.prefill_vs_vllm import paired_ratio, turns
+
+    order = list(turns(["ours", "vllm"], [1, 4], repeats=2))
+    assert order == [(0, 1, "ours"), (0, 1, "vllm"), (0, 4, "ours"), (0, 4, "vllm"),
+                     (1, 1, "vllm"), (1, 1, "ours"), (1, 4, "vllm"), (1, 4, "ours")]
+    # pass by pass: a host twice as slow in the second repeat moves neither ratio
+    assert paired_ratio([120.0, 240.0, 300.0], [100.0, 200.0, 100.0]) == 1.2
 
 
 def test_child_counts_length_mismatches_and_rss():
