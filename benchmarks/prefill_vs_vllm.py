@@ -19,6 +19,7 @@ parent runs). Stdlib only at import: vLLM's python runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -131,13 +132,18 @@ class Child:
 
     def run_pass(self, k: int) -> float:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{k}\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(f"{k}\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it is gone: its exit and its log say why
+            self.reply(30.0)
+            raise
         return float(self.reply(PASS_TIMEOUT_S).removeprefix("PASS "))
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):  # a child already gone
+                self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -251,3 +251,17 @@ def test_setup_script_parses():
     script = ROOT / "benchmarks" / "vllm_cpu_setup.sh"
     subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
     assert "/.venv-vllm/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_a_prefill_child_that_died_is_reported_with_its_log(tmp_path):
+    from benchmarks.prefill_vs_vllm import Child
+
+    script = "import sys; print('READY', flush=True); sys.stderr.write('no model here')"
+    child = Child("fake", [sys.executable, "-c", script], {}, tmp_path / "fake.log")
+    try:
+        assert child.reply(30.0) == "READY"
+        with pytest.raises(RuntimeError, match="fake exited .*no model here"):
+            child.run_pass(1)
+    finally:
+        child.close()
+    assert child.proc.returncode == 0
