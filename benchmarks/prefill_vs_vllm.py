@@ -24,7 +24,6 @@ import json
 import os
 import queue
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -128,7 +127,9 @@ class Child:
         return line
 
     def _log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-2000:]
+        from benchmarks.served_vs_vllm import log_tail
+
+        return log_tail(self.log_path, 2000)
 
     def run_pass(self, k: int) -> float:
         assert self.proc.stdin is not None
@@ -146,9 +147,10 @@ class Child:
                 self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the child and every process below it
-            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # stuck in a pass: it and every process below it
+            from benchmarks.served_vs_vllm import stop_tree
+
+            stop_tree(self.proc)
 
 
 def child_command(system: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
