@@ -67,8 +67,24 @@ constexpr int kMaxRows = 4;
 #endif
 
 constexpr int64_t kPanel = 3 * kLanes;  // output columns per panel: 3 vectors
+// Bytes of panel one k step reads (one pair of k for bfloat16): 192 with AVX-512, 96 with AVX2.
+constexpr int64_t kStepBytes = kPanel * int64_t(sizeof(float));
+// How far ahead of its loads a tile prefetches its panel, in k steps (6 KB with AVX-512). With
+// the hardware prefetcher alone, one stream per thread, a decode step's linears took about the
+// sum of their streaming and arithmetic time rather than the larger of the two (float32, the
+// default model's 30 layers and lm_head, 2 threads, an Emerald Rapids Xeon, bits unchanged:
+// 1.36-1.54x faster at 4-8 rows, 1.15-1.42x at 16-64, 1.04-1.07x at 1, 1.00x at 512; 16-64 steps
+// ahead alike; the later tiles of a panel fetching the next panel instead was no better).
+constexpr int64_t kAheadSteps = 32;
 
 #ifdef PDSERVE_SMALL_GEMM
+
+// Prefetches into L1 the panel step kAheadSteps after the one at `step` (past the panel's end,
+// the thread's next panel or nothing: a prefetch does not fault).
+inline void prefetch_ahead(const void* step) {
+  const char* ahead = static_cast<const char*>(step) + kAheadSteps * kStepBytes;
+  for (int64_t line = 0; line < kStepBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
 
 inline void store_row(float* out, Vec a, Vec b, Vec c, const float* bias) {
   if (bias != nullptr) {
@@ -105,6 +121,7 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, con
   for (int64_t k = 0; k < K; ++k) {
     const float* p = panel + k * kPanel;
     const Vec w0 = vload(p), w1 = vload(p + kLanes), w2 = vload(p + 2 * kLanes);
+    prefetch_ahead(p);
     PDSERVE_TILE_ROW(0) PDSERVE_TILE_ROW(1) PDSERVE_TILE_ROW(2) PDSERVE_TILE_ROW(3)
     PDSERVE_TILE_ROW(4) PDSERVE_TILE_ROW(5) PDSERVE_TILE_ROW(6) PDSERVE_TILE_ROW(7)
   }
@@ -169,6 +186,7 @@ inline void tile_bf16(const at::BFloat16* x, int64_t ldx, const at::BFloat16* pa
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p),
                    w1 = (__m512bh)_mm512_loadu_si512(p + 32),
                    w2 = (__m512bh)_mm512_loadu_si512(p + 64);
+    prefetch_ahead(p);
     PDSERVE_BF16_ROW(0) PDSERVE_BF16_ROW(1) PDSERVE_BF16_ROW(2) PDSERVE_BF16_ROW(3)
     PDSERVE_BF16_ROW(4) PDSERVE_BF16_ROW(5) PDSERVE_BF16_ROW(6) PDSERVE_BF16_ROW(7)
   }
