@@ -16,7 +16,8 @@
 #   engine         benchmarks.gpu_engine: ours eager / graphs / graphs+async+fused vs
 #                  transformers generate and generate_batch, GPU busy share, at the default
 #                  model's and a 1B shape (random weights); engine-8b: the same at an 8B shape
-#   kernels  benchmarks.decode_kernel: decode attention GB/s at 64x2k, 256x1k, 16x8k, 4x32k,
+#   kernels  benchmarks.decode_kernel: decode attention GB/s (launched, and from a CUDA graph;
+#            every split-KV count too) at 64x2k, 256x1k, 16x8k, 4x32k,
 #            1x64k and 128x512 (9/3 heads, d64), beside dense SDPA
 #   kv       benchmarks.kv_transfer --device cuda: KV hand-over GB/s over CUDA IPC
 #   moe      benchmarks.moe_layer --device cuda: the Triton MoE kernel beside the grouped path
@@ -111,7 +112,8 @@ run_named() {  # one stage by name
   case "$1" in
     tests-engine) run_tests tests-engine $ENGINE_TESTS ;;
     tests-cluster) run_tests tests-cluster $CLUSTER_TESTS ;;
-    kernels) run_stage kernels "$PY" -m benchmarks.decode_kernel --json "$OUTDIR/kernels.json" ;;
+    kernels) run_stage kernels "$PY" -m benchmarks.decode_kernel --sweep-splits \
+               --json "$OUTDIR/kernels.json" ;;
     kv) run_stage kv "$PY" -m benchmarks.kv_transfer --device cuda \
           --transports shared,shared-whole --lengths 1024,4096 --requests 3 \
           --json "$OUTDIR/kv.json" ;;
