@@ -125,15 +125,21 @@ def one_shape(shape: tuple[int, ...], device: str, dtype: torch.dtype, reps: int
     if device == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         row["splits"] = pick_num_splits(seqs, kv_heads, 1, ctx, sms)
-        timed |= {"paged_graph": as_graph(paged), "dense_graph": as_graph(dense)}
+        try:  # a capture that fails costs its columns, not the run
+            timed |= {"paged_graph": as_graph(paged), "dense_graph": as_graph(dense)}
+        except RuntimeError as error:
+            row["graph_error"] = str(error)[:300]
     for name, fn in timed.items():
         row[f"{name}_ms"] = time_ms(fn, device, reps)
         row[f"{name}_gbps"] = kv_bytes / row[f"{name}_ms"] / 1e6
     if sweep_splits and device == "cuda":
         counts = [1 << i for i in range(MAX_SPLITS.bit_length())]
-        row["paged_graph_gbps_by_splits"] = {
-            n: kv_bytes / time_ms(as_graph(lambda n=n: paged(n)), device, reps) / 1e6
-            for n in counts}
+        try:
+            row["paged_graph_gbps_by_splits"] = {
+                n: kv_bytes / time_ms(as_graph(lambda n=n: paged(n)), device, reps) / 1e6
+                for n in counts}
+        except RuntimeError as error:
+            row["sweep_error"] = str(error)[:300]
     return row
 
 
