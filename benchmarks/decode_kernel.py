@@ -127,8 +127,8 @@ def one_shape(shape: tuple[int, ...], device: str, dtype: torch.dtype, reps: int
         row["splits"] = pick_num_splits(seqs, kv_heads, 1, ctx, sms)
         try:  # a capture that fails costs its columns, not the run
             timed |= {"paged_graph": as_graph(paged), "dense_graph": as_graph(dense)}
-        except RuntimeError as error:
-            row["graph_error"] = str(error)[:300]
+        except RuntimeError as exc:
+            row["graph_error"] = str(exc)[:300]
     for name, fn in timed.items():
         row[f"{name}_ms"] = time_ms(fn, device, reps)
         row[f"{name}_gbps"] = kv_bytes / row[f"{name}_ms"] / 1e6
@@ -138,8 +138,8 @@ def one_shape(shape: tuple[int, ...], device: str, dtype: torch.dtype, reps: int
             row["paged_graph_gbps_by_splits"] = {
                 n: kv_bytes / time_ms(as_graph(lambda n=n: paged(n)), device, reps) / 1e6
                 for n in counts}
-        except RuntimeError as error:
-            row["sweep_error"] = str(error)[:300]
+        except RuntimeError as exc:
+            row["sweep_error"] = str(exc)[:300]
     return row
 
 
