@@ -531,6 +531,7 @@ struct Avx2Heads {
 template <typename T, class Heads>
 void finish_item(const Args<T>& a, const Heads& heads, const State& st, int64_t s, int64_t sp,
                  int64_t kvh) {
+  heads.finish(st);  // the accumulator in dimension order
   const int64_t D = a.head_dim;
   for (int64_t j = 0; j < a.group; ++j) {
     const int64_t h = kvh * a.group + j;
@@ -599,11 +600,8 @@ void run_item(const Args<T>& a, const Heads& heads, int64_t item, float* buf) {
     }
     cur = nxt;
   }
-  for (int64_t kvh = kv0; kvh < kv1; ++kvh) {
-    const State st = state_at(buf + (kvh - kv0) * per_kv, a.group, a.head_dim);
-    heads.finish(st);
-    finish_item(a, heads, st, s, sp, kvh);
-  }
+  for (int64_t kvh = kv0; kvh < kv1; ++kvh)
+    finish_item(a, heads, state_at(buf + (kvh - kv0) * per_kv, a.group, a.head_dim), s, sp, kvh);
 }
 
 // Split results -> out: o = sum_i acc_i 2^(m_i - M) / sum_i l_i 2^(m_i - M).
