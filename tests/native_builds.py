@@ -28,6 +28,8 @@ DECODE_VARIANTS = {"-mno-avx512f": "avx512f", "-mno-avx512bf16": "avx512_bf16",
 # The element-wise module built as an AVX2 machine builds it (tested where the machine's own
 # build is AVX-512), and as a machine with no vector units builds it (nothing runs: -O0 will do).
 ELEMENTWISE_AVX2 = ("-mno-avx512f",)
+# Its AVX-512 build without AVX512-BF16: bf16 rounded in integer operations, not vcvtneps2bf16.
+ELEMENTWISE_NO_BF16 = ("-mno-avx512bf16",)
 ELEMENTWISE_PORTABLE = ("-mno-avx2", "-O0")
 
 
@@ -77,6 +79,8 @@ def _elementwise_builds() -> None:
     load_cpu_elementwise()
     if has("avx512f"):
         elementwise_variant(*ELEMENTWISE_AVX2)
+    if has("avx512_bf16"):
+        elementwise_variant(*ELEMENTWISE_NO_BF16)
     elementwise_variant(*ELEMENTWISE_PORTABLE)
     if has("avx2") and has("fma"):  # the few-row GEMM (its tests build it on any such CPU)
         from engine.models.cpu_small_gemm import build_small_gemm

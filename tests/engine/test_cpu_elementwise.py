@@ -14,7 +14,13 @@ from engine.models.cpu_elementwise import load_cpu_elementwise
 from engine.models.elementwise import TorchElementwise, apply_rope, rms_norm
 from engine.native_build import cpu_flags
 from tests.conftest import torch_threads
-from tests.native_builds import ELEMENTWISE_AVX2, ELEMENTWISE_PORTABLE, elementwise_variant, has
+from tests.native_builds import (
+    ELEMENTWISE_AVX2,
+    ELEMENTWISE_NO_BF16,
+    ELEMENTWISE_PORTABLE,
+    elementwise_variant,
+    has,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -120,6 +126,54 @@ def test_bad_inputs_are_refused_and_empty_batches_work(native):
         native.add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-5)
     assert native.silu_mul(torch.ones(0, 8)).shape == (0, 4)
     assert native.add_rms_norm(torch.ones(0, 8), None, torch.ones(8), 1e-5)[1].shape == (0, 8)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal where not NaN, NaN in the same places (torch's own bf16 paths differ in a
+    NaN's payload: c10's scalar conversion gives 0x7FC0, its vector one 0xFFFF)."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    return torch.equal(a.masked_fill(nan, 0).view(torch.int16), b.masked_fill(nan, 0).view(
+        torch.int16))
+
+
+def edge_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """bf16 rows whose products and sums round to bf16 denormals, with a NaN or an infinity in
+    some rows: the values that vcvtneps2bf16 rounds otherwise than c10."""
+    x = rand(rows, width, dtype=torch.float32, seed=seed) * 2.0 ** -126
+    x[1::3, 5] = float("nan")
+    x[2::3, 7] = float("inf")
+    return x.to(torch.bfloat16)
+
+
+def builds_with_and_without_avx512_bf16(native) -> list:
+    builds = [native]
+    if has("avx512_bf16"):  # the integer rounding of machines without it, tested here too
+        builds.append(elementwise_variant(*ELEMENTWISE_NO_BF16))
+    return builds
+
+
+def test_bf16_denormals_and_nans_round_as_torch_rounds_them(native):
+    """bf16 rounding by vcvtneps2bf16 reads denormal inputs as zero: a vector holding one
+    (or a NaN) must take the integer rounding, so every output keeps torch's bits."""
+    for build in builds_with_and_without_avx512_bf16(native):
+        h, delta = edge_rows(40, 576, seed=3), edge_rows(40, 576, seed=4)
+        weight = rand(576, dtype=torch.bfloat16, seed=2)
+        residual, out = build.add_rms_norm(h, delta, weight, 1e-5)
+        assert residual.view(torch.int16).ne(0).any()
+        assert same_values(residual, h + delta)
+        assert same_values(out, rms_norm(h + delta, weight, 1e-5))
+        gate_up = torch.cat((edge_rows(40, 1536, seed=5) * 2.0 ** 100,
+                             edge_rows(40, 1536, seed=6)), dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert same_values(build.silu_mul(gate_up), F.silu(gate) * up)
+        qk = edge_rows(40, 12 * 64, seed=7).view(40, 12, 64)
+        emb = rand(40, 1, 32, dtype=torch.float32, seed=1, scale=50.0).repeat(1, 1, 2)
+        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+        expected = apply_rope(qk, cos, sin)
+        build.rope_(qk, cos, sin)
+        assert same_values(qk, expected)
 
 
 def run_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -58,7 +58,7 @@ inline vf vload(const at::BFloat16* p, int64_t left) {
 
 inline void vstore(float* p, vf x, int64_t left) { _mm512_mask_storeu_ps(p, tail_mask(left), x); }
 
-// Round to nearest even, NaN kept quiet: c10::BFloat16's conversion.
+// Round to nearest even, NaN kept quiet: c10::BFloat16's conversion, in integer operations.
 inline __m512i bf16_bits(vf x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -68,11 +68,27 @@ inline __m512i bf16_bits(vf x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
 }
 
-inline void vstore(at::BFloat16* p, vf x, int64_t left) {
-  _mm256_mask_storeu_epi16(p, tail_mask(left), _mm512_cvtepi32_epi16(bf16_bits(x)));
+// The 16 lanes as bf16 bits. With AVX512-BF16 one vcvtneps2bf16 rounds to nearest even, where
+// the integer form takes eight operations (bf16 element-wise chains ran 1.6-2x the time of
+// float32 ones for it). That instruction reads denormal inputs as zero and quiets a NaN keeping
+// its sign and payload, where c10 gives a denormal's rounding and 0x7FC0: a vector holding
+// either (one fpclass test finds them) takes the integer form, so every value keeps its bits.
+inline __m256i bf16_pack(vf x) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
+  if (__builtin_expect(_mm512_fpclass_ps_mask(x, kNanOrDenormal) == 0, 1))
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#endif
+  return _mm512_cvtepi32_epi16(bf16_bits(x));
 }
 
-inline vf bf16_round(vf x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+inline void vstore(at::BFloat16* p, vf x, int64_t left) {
+  _mm256_mask_storeu_epi16(p, tail_mask(left), bf16_pack(x));
+}
+
+inline vf bf16_round(vf x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_pack(x)), 16));
+}
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
