@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
+from engine.attention.interface import write_kv_cache
 from engine.native_build import cpu_has_amx_bf16
 
 PREFILL_TILE = 128  # query rows per score tile on CPU (64-256 measured within 10%)
@@ -347,6 +348,17 @@ class TorchPagedAttention:
     def uses_native_decode(self) -> bool:
         return self._native is not None
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store this step's K/V at their slots: the native kernel's row copies on CPU, where
+        each token's heads are contiguous (views of the fused projection are), else
+        `write_kv_cache`'s index_copy_."""
+        if self._native is not None and k.device.type == "cpu" and _heads_contiguous(k) \
+                and _heads_contiguous(v) and slot_mapping.dtype == torch.int64:
+            self._native.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        else:
+            write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
     def prepare(self, block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int],
                 block_size: int) -> None:
         self._plan = plan_attention(block_table, query_lens, seq_lens, block_size)
@@ -363,6 +375,10 @@ class TorchPagedAttention:
         out = torch.empty_like(q) if out is None else out
         return run_planned_attention(self._plan, q, k_cache, v_cache, scale, out, new_kv,
                                      self._native, window, softcap, self._native_prefill)
+
+
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
 def paged_attention_torch(

@@ -239,3 +239,64 @@ def test_short_prefill_chunks_after_a_cached_prefix_use_the_kernel(kernel, dtype
     assert sorted(recorder.calls) == sorted([2, *chunks])  # the 2 decodes in one call
     if prefill_kernel:
         assert chunks == [2, 12, edge - 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 64, 5000])
+def test_write_kv_stores_rows_as_index_copy_does(kernel, dtype, tokens):
+    """K/V as views of a fused projection (token rows strided), scattered slots, a negative
+    slot skipped; 5000 tokens split across threads. Every cache byte equals the torch form's."""
+    from engine.attention.interface import write_kv_cache
+
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim, block_size = 9, 3, 64, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    num_blocks = -(-tokens // block_size) + 3
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    caches = [torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).to(dtype)
+              for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_cache(k, v, *expected, slots)
+    native_slots = slots.clone()
+    if tokens > 1:  # a skipped token: its slot keeps the cache's old bytes
+        native_slots[1] = -1
+        for c, e in zip(caches, expected):
+            e.view(-1, kv_heads, dim)[slots[1]] = c.view(-1, kv_heads, dim)[slots[1]]
+    with torch_threads(2):
+        kernel.write_kv(k, v, *caches, native_slots)
+    for c, e in zip(caches, expected):
+        assert torch.equal(c.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           e.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+def test_write_kv_refuses_what_it_cannot_store(kernel):
+    k_cache, v_cache = torch.zeros(2, 16, 3, 64), torch.zeros(2, 16, 3, 64)
+    k, v = torch.ones(4, 3, 64), torch.ones(4, 3, 64)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernel.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 32]))
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        kernel.write_kv(torch.ones(3, 4, 64).transpose(0, 1), v, k_cache, v_cache,
+                        torch.arange(4))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel.write_kv(k.bfloat16(), v.bfloat16(), k_cache, v_cache, torch.arange(4))
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel.write_kv(k, v, k_cache, v_cache, torch.arange(4, dtype=torch.int32))
+    assert k_cache.abs().sum() == 0  # nothing written by a refused call
+
+
+def test_the_cpu_backend_writes_kv_with_the_kernel_and_falls_back_off_its_layout(kernel,
+                                                                                 monkeypatch):
+    from engine.attention import torch_paged
+
+    backend = torch_paged.TorchPagedAttention()
+    calls = []
+    monkeypatch.setattr(torch_paged, "write_kv_cache", lambda *a: calls.append("torch"))
+    k_cache, v_cache = torch.zeros(2, 16, 3, 64), torch.zeros(2, 16, 3, 64)
+    backend.write_kv(torch.ones(4, 3, 64), torch.ones(4, 3, 64), k_cache, v_cache,
+                     torch.arange(4))
+    assert calls == [] and k_cache.view(-1, 3, 64)[:4].eq(1).all()
+    backend.write_kv(torch.ones(3, 4, 64).transpose(0, 1), torch.ones(4, 3, 64), k_cache,
+                     v_cache, torch.arange(4))
+    assert calls == ["torch"]
