@@ -36,6 +36,10 @@ class TorchElementwise:
 
     name = "torch"
     rotates_in_place = False  # rope_qkv: rotate q, k in the projection's buffer (rope_qk_)
+    # A layer's closing residual add left to the next layer's add_rms_norm (its `delta`): the
+    # native CPU form adds it there in the norm's pass. The torch and Triton forms keep their
+    # own add (the Triton form until a GPU run shows the deferral there).
+    defers_residual = False
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -133,10 +133,14 @@ class DecoderLayer:
             self.gate_up_proj = Linear(weights["gate_up_weight"])
             self.down_proj = Linear(weights["down_weight"])
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, md: AttentionMetadata, attention: AttentionBackend,
-                ops: TorchElementwise) -> torch.Tensor:
-        _, x = ops.add_rms_norm(h, None, self.input_norm, self.eps)
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                md: AttentionMetadata, attention: AttentionBackend, ops: TorchElementwise
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual stream, the MLP output still to be added to it, or None). Where `ops`
+        defers the residual add, the next layer's input norm adds `pending` in its own pass:
+        the same sum, one tensor op fewer a layer."""
+        h, x = ops.add_rms_norm(h, pending, self.input_norm, self.eps)
         if self.qk_norms is None:
             q, k, v = ops.rope_qkv(self.qkv_proj(x), rope, self.n_heads, self.n_kv,
                                    self.head_dim)
@@ -145,9 +149,10 @@ class DecoderLayer:
                                         self.head_dim, self.qk_norms, self.eps)
         attn = self.tp.all_reduce(self.o_proj(self._attend(q, k, v, kv_cache, md, attention)))
         if self.sandwich is not None:
-            return self._sandwiched(h, attn, ops)
+            return self._sandwiched(h, attn, ops), None
         h, x = ops.add_rms_norm(h, attn, self.post_attention_norm, self.eps)
-        return h + self.tp.all_reduce(self._mlp(x, ops))
+        mlp = self.tp.all_reduce(self._mlp(x, ops))
+        return (h, mlp) if ops.defers_residual else (h + mlp, None)
 
     def _sandwiched(self, h: torch.Tensor, attn: torch.Tensor, ops: TorchElementwise
                     ) -> torch.Tensor:
@@ -179,7 +184,7 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    """The whole decoder; `forward` returns fp32 logits for the rows in `logits_indices`."""
+    """The whole decoder; `forward` returns the logits of the rows in `logits_indices`."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
                  elementwise: TorchElementwise | None = None, tp: TPGroup | None = None,
@@ -211,15 +216,19 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], md: AttentionMetadata, attention: AttentionBackend,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
+        """The logits of the rows in `logits_indices`: float32, or with `float_logits` False
+        in the model's dtype (the CPU runner's sampler widens them only where it must)."""
         h = self._embed(input_ids)
         ropes = {False: self.rotary.lookup(positions)}
         if self.rotary_local is not None:
             ropes[True] = self.rotary_local.lookup(positions)
+        pending = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer.forward(h, ropes[layer.local_rope], kv_cache, md, attention,
-                              self.elementwise)
-        h = rms_norm(h[logits_indices], self.norm, self.config.rms_norm_eps)
+            h, pending = layer.forward(h, pending, ropes[layer.local_rope], kv_cache, md,
+                                       attention, self.elementwise)
+        h = h[logits_indices] if pending is None else h[logits_indices] + pending[logits_indices]
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
         logits = self.lm_head(h)
         if self.shard is not None:  # each rank scored its vocabulary rows
             logits = self.tp.gather_columns(logits, self.config.vocab_size)
@@ -227,7 +236,7 @@ class LlamaModel:
         if gemma is not None and gemma.final_logit_softcap:
             cap = gemma.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if float_logits else logits
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self._lookup(input_ids)
