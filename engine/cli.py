@@ -127,11 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from engine.attention.cpu_kernel import load_cpu_kernel
             from engine.models.cpu_elementwise import load_cpu_elementwise
             from engine.models.cpu_small_gemm import load_cpu_small_gemm, measured_machine
+            from engine.native_build import cpu_flags
+            from engine.row_argmax import load_native_argmax
 
             kernels = {"decode attention": load_cpu_kernel(),
                        "element-wise": load_cpu_elementwise()}
             if measured_machine():  # elsewhere oneDNN serves every linear: nothing to build
                 kernels["few-row GEMM"] = load_cpu_small_gemm()
+            if "avx512f" in cpu_flags().split():  # elsewhere torch's argmax forms serve
+                kernels["row argmax"] = load_native_argmax()
             for what, kernel in kernels.items():
                 print(kernel.__file__ if kernel else
                       f"native CPU {what} kernels unavailable (torch path used)")

@@ -44,6 +44,12 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is its logits' argmax, with nothing else read from them."""
+        return self.bitmask is None and all(
+            p.greedy and p.logprobs is None and not p.processes_logits for p in self.params)
+
 
 @dataclass
 class DeviceSamples:
@@ -74,7 +80,12 @@ class Sampler:
         return self.sample(logits, batch).read()
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> DeviceSamples:
-        """Sample on the device and start the copy the host will read; nothing waits here."""
+        """Sample on the device and start the copy the host will read; nothing waits here.
+        `logits` may be in the model's dtype: a batch that only picks greedy tokens reads them
+        as they are (widening to float32 is exact and keeps the order); any other widens them
+        first."""
+        if logits.dtype != torch.float32 and not batch.argmax_only:
+            logits = logits.float()
         processed = logits
         if batch.histories is not None:
             processed = process_logits(logits, batch.params, batch.output_indices,

@@ -75,8 +75,10 @@ def _decode_builds() -> None:
 
 def _elementwise_builds() -> None:
     from engine.models.cpu_elementwise import load_cpu_elementwise
+    from engine.row_argmax import load_native_argmax
 
     load_cpu_elementwise()
+    load_native_argmax()
     if has("avx512f"):
         elementwise_variant(*ELEMENTWISE_AVX2)
     if has("avx512_bf16"):

@@ -1,16 +1,31 @@
 """engine.row_argmax against torch's argmax, its reference: the same index on every row — the
 first of tied maxima, across blocks and in the tail, rows of -inf, rows holding NaN, strided
-input, every dtype the sampler sees. Crafted rows are repeated past MIN_ROWS, so the blocked
-form (not torch's, which serves fewer rows) answers."""
+input, every dtype the sampler sees. Each test runs twice: with the native kernel where the CPU
+builds it (AVX-512), and with the torch blocked form. Crafted rows are repeated past MIN_ROWS, so
+the blocked form (not torch's, which serves fewer rows) answers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.row_argmax import BLOCK, MIN_ROWS, row_argmax
+from engine import row_argmax as row_argmax_module
+from engine.native_build import cpu_flags
+from engine.row_argmax import BLOCK, MIN_ROWS, load_native_argmax, row_argmax
 
 WIDTHS = [1, 100, 2 * BLOCK - 1, 2 * BLOCK, 2 * BLOCK + 1, 49152, 49152 + 37, 151936]
+
+
+@pytest.fixture(autouse=True, params=["native", "blocked"])
+def form(request, monkeypatch):
+    if request.param == "native":
+        if load_native_argmax() is None:
+            # Where the CPU has AVX-512 the kernel must build: a silent fallback would hide a bug.
+            assert "avx512f" not in cpu_flags().split(), "the native row argmax did not load"
+            pytest.skip("no AVX-512 (or no compiler): the blocked form answers")
+    else:
+        monkeypatch.setattr(row_argmax_module, "load_native_argmax", lambda: None)
+    return request.param
 
 
 def many(x: torch.Tensor) -> torch.Tensor:
@@ -78,3 +93,44 @@ def test_the_sampler_picks_greedy_rows_with_it() -> None:
     params = [SamplingParams(temperature=0, max_tokens=1) for _ in range(rows)]
     tokens, _ = Sampler()(logits, SamplingBatch(params, [0] * rows))
     assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_the_kernel_refuses_what_it_cannot_read(form) -> None:
+    if form == "blocked":
+        pytest.skip("the kernel's own checks")
+    native = load_native_argmax()
+    with pytest.raises(RuntimeError, match="unit-stride"):
+        native.row_argmax(torch.ones(4, 8).t())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        native.row_argmax(torch.ones(4, 8, dtype=torch.float16))
+    assert row_argmax(torch.ones(0, 8)).shape == (0,)
+
+
+def test_the_sampler_reads_bf16_logits_as_they_are_only_for_argmax_rows(monkeypatch) -> None:
+    """A batch of greedy rows that read nothing else of the logits picks from the model's bf16
+    logits unwidened; any other batch (logprobs, temperature, processing) gets them widened
+    to float32 first, so its logprobs and draws are those of float32 logits."""
+    import torch.nn.functional as F
+
+    from engine import sampler as sampler_module
+    from engine.request import SamplingParams
+    from engine.sampler import Sampler, SamplingBatch
+
+    seen: list[torch.dtype] = []
+    monkeypatch.setattr(sampler_module, "row_argmax",
+                        lambda x: seen.append(x.dtype) or row_argmax(x))
+    rows = MIN_ROWS + 3
+    logits = torch.randn(rows, 3 * BLOCK + 17).bfloat16()
+    greedy = [SamplingParams(temperature=0, max_tokens=1) for _ in range(rows)]
+    tokens, _ = Sampler()(logits, SamplingBatch(greedy, [0] * rows))
+    assert tokens == logits.float().argmax(dim=-1).tolist() and seen == [torch.bfloat16]
+    seen.clear()
+    with_logprobs = [SamplingParams(temperature=0, max_tokens=1, logprobs=2) for _ in range(rows)]
+    tokens, logprobs = Sampler()(logits, SamplingBatch(with_logprobs, [0] * rows))
+    assert seen == [torch.float32] and tokens == logits.float().argmax(dim=-1).tolist()
+    expected = F.log_softmax(logits.float(), dim=-1)
+    assert logprobs[0][tokens[0]] == pytest.approx(float(expected[0, tokens[0]]), abs=1e-6)
+    seen.clear()
+    biased = [SamplingParams(temperature=0, max_tokens=1, logit_bias={5: 100.0})] * rows
+    tokens, _ = Sampler()(logits, SamplingBatch(biased, [0] * rows, [None] * rows))
+    assert tokens == [5] * rows and seen == [torch.float32]
