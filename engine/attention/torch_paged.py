@@ -159,6 +159,8 @@ def run_planned_attention(
             _attend_decodes_native(native, plan, q, k_cache, v_cache, scale, out, window or 0)
         else:
             _attend_decodes(plan, q, k_cache, v_cache, scale, out, window, softcap)
+    if not plan.prefills:  # a decode-only step (the kernel checks cost ~25 us a layer)
+        return out
     kernel_chunks = softcap is None and native_prefill_runs(prefill, q)
     chunk_min = prefill_kernel_chunk_min(prefill, q)
     for p in plan.prefills:

@@ -54,5 +54,12 @@ class NativeCpuElementwise(TorchElementwise):
     def rope_qk_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         self.native.rope_(qk, cos, sin)
 
+    def rope_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], n_heads: int,
+                 n_kv: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if qkv.dim() != 2 or qkv.stride(1) != 1:  # the views below need contiguous rows
+            return super().rope_qkv(qkv, rope, n_heads, n_kv, head_dim)
+        q, k, v = self.native.rope_qkv(qkv, rope[0], rope[1], n_heads, n_kv, head_dim)
+        return q, k, v
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.native.silu_mul(gate_up)

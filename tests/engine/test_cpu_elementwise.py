@@ -60,6 +60,26 @@ def test_rope_is_bitwise_the_torch_form_on_a_view_of_the_projection(native, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 600])
+@pytest.mark.parametrize("strided_rows", [False, True])
+def test_rope_qkv_gives_the_torch_forms_q_k_v_as_views(native, dtype, tokens, strided_rows):
+    from engine.models.cpu_elementwise import NativeCpuElementwise
+
+    heads, kv_heads, dim = 9, 3, 64
+    width = (heads + 2 * kv_heads) * dim
+    wide = rand(tokens, width + (32 if strided_rows else 0), dtype=dtype, scale=3.0)
+    qkv = wide[:, :width]
+    emb = rand(tokens, 1, dim // 2, dtype=torch.float32, seed=1, scale=50.0).repeat(1, 1, 2)
+    rope = (emb.cos().to(dtype), emb.sin().to(dtype))
+    expected = TorchElementwise().rope_qkv(qkv.clone(), rope, heads, kv_heads, dim)
+    got = NativeCpuElementwise(native).rope_qkv(qkv, rope, heads, kv_heads, dim)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and torch.equal(g, e)
+        assert g.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr()  # views
+    assert torch.equal(wide[:, :heads * dim].reshape(tokens, heads, dim), got[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1536, 96, 32])
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_silu_mul_is_bitwise_the_torch_form(native, dtype, width, rows):
