@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,16 @@ def summarize_runs(system: str, dtype: str, runs: list[dict[str, Any]],
         result["length_mismatches"] = sum(r["length_mismatches"] for r in runs)
     result.update(extra or {})
     return result
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def file_at(rev: str, path: str) -> bytes:
+    """The bytes of `path` (relative to the repository root) at git revision `rev`: a kernel's
+    earlier source, built beside the tree's to compare the two."""
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True,
+                          capture_output=True).stdout
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:

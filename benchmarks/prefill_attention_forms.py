@@ -33,6 +33,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import REPO, file_at
 from engine.attention.cpu_kernel import (
     CFLAGS,
     NO_AMX_CFLAGS,
@@ -48,7 +49,6 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 FORM_NAMES = ("native kernel", "native kernel, AVX2 build", "native kernel, no AMX",
               "sdpa, K/V expanded",
               "sdpa, enable_gqa", "query tiles")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def kernel_at(rev: str, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
@@ -60,9 +60,7 @@ def kernel_at(rev: str, extra_cflags: tuple[str, ...] = ()) -> ModuleType:
     folder = Path(tempfile.mkdtemp(prefix="prefill-kernel-at-"))
     for name in listing:
         if name == PREFILL_SOURCE.name or name.endswith(".h"):
-            blob = subprocess.run(["git", "show", f"{rev}:{csrc}/{name}"], cwd=REPO, check=True,
-                                  capture_output=True).stdout
-            (folder / name).write_bytes(blob)
+            (folder / name).write_bytes(file_at(rev, f"{csrc}/{name}"))
     return build_native(PREFILL_PREFIX, folder / PREFILL_SOURCE.name, (*CFLAGS, *extra_cflags))
 
 

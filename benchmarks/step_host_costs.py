@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import engine.row_argmax as row_argmax_module
-from benchmarks.common import write_json
+from benchmarks.common import file_at, write_json
 from benchmarks.step_overhead import fill
 from engine.attention.interface import write_kv_cache
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -41,14 +40,12 @@ from engine.models.llama import LlamaModel
 from engine.native_build import build_native
 from engine.request import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
 ELEMENTWISE_SOURCE = "engine/models/csrc/cpu_elementwise.cpp"
 
 
 def old_elementwise(rev: str, folder: Path) -> ModuleType:
     source = folder / "cpu_elementwise_before.cpp"
-    source.write_bytes(subprocess.run(["git", "show", f"{rev}:{ELEMENTWISE_SOURCE}"], cwd=REPO,
-                                      check=True, capture_output=True).stdout)
+    source.write_bytes(file_at(rev, ELEMENTWISE_SOURCE))
     return build_native("pdserve_elementwise_before", source, cpu_elementwise.CFLAGS)
 
 
