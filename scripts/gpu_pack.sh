@@ -3,14 +3,17 @@
 # (ignored by git; carry it to the GPU machine): wheels of the project's dependencies that such a
 # machine does not have (gRPC, protobuf, aiohttp, pydantic, ... at this checkout's versions, for
 # its Python: GPU_PYTHON_VERSION, default 3.12) and the default model's tokenizer files (the GPU
-# machine builds a random-weight checkpoint of the model's shape around them).
+# machine builds random-weight checkpoints of other shapes around them); and into .gpu-model-1
+# ... .gpu-model-N, the default model's own weights in parts sized to travel one call each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PYVER="${GPU_PYTHON_VERSION:-3.12}"
 exclude=$(git rev-parse --git-path info/exclude)
 mkdir -p "$(dirname "$exclude")"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >> "$exclude"
+for pattern in '/.gpu/' '/.gpu-model-*/'; do
+  grep -qxF "$pattern" "$exclude" 2>/dev/null || echo "$pattern" >> "$exclude"
+done
 rm -rf .gpu && mkdir -p .gpu/wheels .gpu/tokenizer
 model=$("$PY" -c "from engine.loader import resolve_model_path; print(resolve_model_path('default'))")
 for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
@@ -31,3 +34,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   --implementation cp $platforms -d .gpu/wheels $pins
 du -sh .gpu
 ls .gpu/wheels .gpu/tokenizer
+# The default model's own weights, in parts that each travel in one call (the last beside .gpu):
+# gpu_check.sh joins them once a warm machine has seen every part. GPU_PACK_MODEL=0 skips this.
+if [ "${GPU_PACK_MODEL:-1}" != 0 ]; then
+  PYTHONPATH=. "$PY" scripts/gpu_model_parts.py pack --gpu-dir .gpu
+fi

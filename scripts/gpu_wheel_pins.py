@@ -15,7 +15,10 @@ ENTRY_MODULES = ("router.server", "cli.cluster", "serving.worker_main", "prefill
                  "decode_worker.__main__", "kv_transfer.dist.connector", "engine.engine",
                  "tests.cluster.cluster_helpers", "tests.gpu.test_cluster_on_cuda",
                  "tests.cluster.test_shared_faults", "benchmarks.gpu_engine",
-                 "benchmarks.kv_transfer", "benchmarks.decode_kernel", "benchmarks.moe_layer")
+                 "benchmarks.kv_transfer", "benchmarks.decode_kernel", "benchmarks.moe_layer",
+                 # transformers imports gguf only inside the call that reads the default model's
+                 # GGUF (scripts/gpu_model_parts.py prepare), so no entry point pulls it in
+                 "gguf")
 GPU_IMAGE_KEEPS = {"pdserve", "torch", "triton", "numpy", "safetensors", "tokenizers",
                    "transformers", "huggingface-hub", "jinja2", "markupsafe", "pygments",
                    "pytest", "pluggy", "iniconfig", "setuptools", "tqdm", "filelock", "fsspec",

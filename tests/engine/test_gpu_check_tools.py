@@ -1,7 +1,8 @@
 """The GPU proof's tools, smoke-run on CPU: the decode-kernel bandwidth benchmark (tiny shapes,
 Triton interpreter; outputs checked against dense SDPA), the random stand-in for the default
-model (which refuses to go without a tokenizer), gpu_check.sh refusing a stage it does not
-know, and the wheels gpu_pack.sh packs."""
+model (which refuses to go without a tokenizer) and the real one replacing it once its carried
+parts have come, gpu_check.sh refusing a stage it does not know, and the wheels gpu_pack.sh
+packs."""
 
 from __future__ import annotations
 
@@ -59,6 +60,28 @@ def test_a_random_checkpoint_needs_its_tokenizer_and_a_kept_one_gets_it(tmp_path
     assert (path / "tokenizer.json").is_file()
 
 
+def test_the_default_models_own_weights_replace_a_random_stand_in(tmp_path, default_model_dir):
+    """On a GPU machine an earlier call may have left a random stand-in as `default`; once the
+    GGUF's parts have come together, `gpu_model_parts.py prepare` converts the real model over
+    it, and a second call keeps it."""
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    stand_in = subprocess.run([sys.executable, "-m", "benchmarks.random_checkpoint", "tiny",
+                               "--tokenizer", str(default_model_dir), "--as-default",
+                               "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert stand_in.returncode == 0, stand_in.stderr[-2000:]
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "scripts/gpu_model_parts.py", "prepare"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        path = Path(done.stdout.strip().splitlines()[-1])
+        assert path.is_relative_to(tmp_path / "cache")
+        assert ModelConfig.from_dir(path).hidden_size == 576  # SmolLM2-135M's, not tiny's 64
+    from engine.prepare import find_gguf
+
+    assert json.loads((path / ".prepared").read_text())["source"] == str(find_gguf())
+
+
 def test_gpu_check_refuses_an_unknown_stage(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path),
                            "--stage", "everything"], capture_output=True, text=True, timeout=60)
@@ -79,5 +102,5 @@ def test_the_gpu_pack_carries_what_the_cluster_imports_and_not_torch():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     names = {pin.split("==")[0].lower().replace("_", "-") for pin in done.stdout.split()}
-    assert {"grpcio", "protobuf", "aiohttp", "pydantic", "jsonschema"} <= names
+    assert {"grpcio", "protobuf", "aiohttp", "pydantic", "jsonschema", "gguf"} <= names
     assert not names & {"torch", "triton", "numpy", "transformers", "pdserve"}
