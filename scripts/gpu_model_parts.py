@@ -94,9 +94,9 @@ def stash_parts(root: Path, stash: Path) -> dict:
         if sha256(data) != entry["sha256"]:
             raise ValueError(f"{folder.name}/part is damaged (its sha256 is not the manifest's)")
         known = stash / MANIFEST
-        if known.is_file() and json.loads(known.read_text())["sha256"] != manifest["sha256"]:
-            for old in stash.iterdir():  # parts of another packing: start again
-                old.unlink()
+        if known.is_file() and json.loads(known.read_text()) != manifest:
+            for old in stash.iterdir():  # parts of another packing (even of the same file, cut
+                old.unlink()             # elsewhere): start again
         (stash / folder.name).write_bytes(data)
         known.write_text(json.dumps(manifest, indent=1) + "\n")
     known = stash / MANIFEST
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"default model not assembled: {e}", file=sys.stderr)
         return INCOMPLETE
+    except (ValueError, lzma.LZMAError) as e:
+        print(f"default model not assembled: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -91,11 +91,11 @@ def test_a_damaged_part_is_refused(tmp_path):
 def test_parts_of_another_packing_are_dropped_from_the_stash(tmp_path):
     there, stash, site = tmp_path / "there", tmp_path / "stash", tmp_path / "site"
     there.mkdir()
+    gguf, _ = _gguf(tmp_path)
     packings = []
-    for name in ("old", "new"):
+    for name, last in (("old", 150), ("new", 140)):  # the same file, cut at another place
         (tmp_path / name).mkdir()
-        gguf, _ = _gguf(tmp_path / name)
-        packings.append(parts.pack(gguf, tmp_path / name, alone=200 * KIB, last=150 * KIB))
+        packings.append(parts.pack(gguf, tmp_path / name, alone=200 * KIB, last=last * KIB))
     _call_with(there, packings[0], {".gpu-model-1"})
     with pytest.raises(FileNotFoundError):
         parts.assemble(there, stash, site)
