@@ -153,12 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError, lzma.LZMAError) as e:
         print(f"default model not assembled: {e}", file=sys.stderr)
-        return INCOMPLETE
-    except (ValueError, lzma.LZMAError) as e:
-        print(f"default model not assembled: {e}", file=sys.stderr)
-        return 1
+        return INCOMPLETE if isinstance(e, FileNotFoundError) else 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -31,13 +31,18 @@ def test_decode_kernel_benchmark_matches_dense_attention(tmp_path):
         assert row["max_abs_error"] < 1e-4 and row["paged_gbps"] > 0 and row["dense_gbps"] > 0
 
 
+def random_stand_in(env: dict[str, str], tokenizer: Path) -> subprocess.CompletedProcess:
+    """A tiny random checkpoint written as `default` into env's PDSERVE_CACHE_DIR."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.random_checkpoint", "tiny",
+                           "--tokenizer", str(tokenizer), "--as-default", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_a_random_checkpoint_stands_in_for_the_default_model(tmp_path, default_model_dir):
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.random_checkpoint", "tiny",
-                           "--tokenizer", str(default_model_dir), "--as-default",
-                           "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = random_stand_in(env, default_model_dir)
     path = Path(done.stdout.strip().splitlines()[-1])
     assert path.is_relative_to(tmp_path / "cache") and (path / ".prepared").is_file()
     assert (path / "tokenizer.json").is_file() and ModelConfig.from_dir(path).hidden_size == 64
@@ -65,11 +70,7 @@ def test_the_default_models_own_weights_replace_a_random_stand_in(tmp_path, defa
     GGUF's parts have come together, `gpu_model_parts.py prepare` converts the real model over
     it, and a second call keeps it."""
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    stand_in = subprocess.run([sys.executable, "-m", "benchmarks.random_checkpoint", "tiny",
-                               "--tokenizer", str(default_model_dir), "--as-default",
-                               "--device", "cpu"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)
-    assert stand_in.returncode == 0, stand_in.stderr[-2000:]
+    random_stand_in(env, default_model_dir)
     for _ in range(2):
         done = subprocess.run([sys.executable, "scripts/gpu_model_parts.py", "prepare"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
