@@ -1,0 +1,201 @@
+"""The host's share of an engine step: the model's forward stubbed out, each step run the way a
+CUDA engine's host runs it (decode steps through the decode graphs' static buffers, async
+scheduling), on CPU.
+
+    python -m benchmarks.host_step [--running 128,256] [--steps 100] [--passes 3] [--rounds 5]
+        [--against REV] [--json OUT]
+
+On a GPU, with CUDA graphs, a decode step's forward is one launch; what else the host does in a
+step — schedule, build the batch's lists and tensors, launch the sampling, read the tokens back,
+advance every request, detokenize, build the outputs — decides whether the GPU waits for it.
+At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host set the pace
+(BENCHMARKS.md, "GPU proof"). This measures that host work alone, on any machine:
+
+- decode: ms per decode-only step with `--running` requests running (300-token prompts);
+- workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
+  offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass).
+
+The stub's logits are one-hot rows over the first 1,024 token ids (a different token per row),
+so the sampler, the detokenizer and the stop checks see ordinary tokens. Timings include the
+stub's own work (a view of a preallocated tensor, the argmax over 1,024 columns).
+
+`--against REV` checks REV out into a temporary worktree; child processes then take turns, the
+earlier tree and this one, each running one round of every case, so that the machine's drift
+hits both alike. Reported: each tree's median, and this / earlier (below 1: less host time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+STUB_VOCAB = 1024
+PROMPT_TOKENS = 300
+
+
+def stubbed_llm(async_scheduling: bool = True) -> Any:
+    """The default model's offline API on CPU, its forward replaced by one-hot logits and its
+    decode steps taking the decode graphs' static-buffer path (uncaptured) as on CUDA."""
+    import torch
+
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.decode_graphs import DecodeGraphs
+    from engine.llm import LLM
+
+    llm = LLM(config=EngineConfig(
+        model="default", dtype="bfloat16", device="cpu", cache=CacheConfig(kv_cache_gb=4.0),
+        scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
+        async_scheduling=async_scheduling))
+    engine = llm.engine
+    logits = torch.zeros(8192, STUB_VOCAB, dtype=torch.bfloat16)
+    rows = torch.arange(8192)
+    logits[rows, 300 + rows * 7 % (STUB_VOCAB - 300)] = 1.0
+    runner = engine.runner
+    runner._forward = lambda step: logits[: len(step.logits_rows)]
+    runner.graphs = DecodeGraphs(lambda ids, positions, md, sample_rows: logits[: len(ids)],
+                                 256, engine.max_model_len, runner.block_size,
+                                 engine.model_config.num_kv_heads, runner.device, 132,
+                                 capture=False)
+    return llm
+
+
+def decode_ms(engine: Any, running: int, steps: int, first_id: int) -> float:
+    """Mean ms of `steps` decode-only steps with `running` requests running."""
+    from engine.request import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i in range(running):
+        engine.add_request([first_id + i] + list(range(2000, 2000 + PROMPT_TOKENS - 1)), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return elapsed / steps * 1e3
+
+
+def workload_s(llm: Any, run: int) -> float:
+    """Seconds of one pass over gpu_engine's workload, the model stubbed out."""
+    from benchmarks.common import DEFAULT_WORKLOAD, load_workload
+    from engine.request import SamplingParams
+
+    rows = load_workload(DEFAULT_WORKLOAD)
+    rows = [rows[i % len(rows)] for i in range(256)]
+    # a first token no other pass of this engine used: every pass computes every prompt
+    prompts = [[1000 + run % 64 * 256 + i] + r["prompt_token_ids"] for i, r in enumerate(rows)]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+              for r in rows]
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def one_round(running: list[int], steps: int, passes: int) -> dict[str, Any]:
+    """Every case once, in one engine (the child's whole work)."""
+    llm = stubbed_llm()
+    workload_s(llm, run=passes)  # warm-up: the first steps import and allocate
+    result: dict[str, Any] = {"decode_ms": {}, "workload_s": []}
+    for k, n in enumerate(running):
+        result["decode_ms"][str(n)] = decode_ms(llm.engine, n, steps, 28_000 + 512 * k)
+    for p in range(passes):
+        result["workload_s"].append(workload_s(llm, run=p))
+    return result
+
+
+def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One round in a fresh process that imports the engine from `tree`."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", out.name,
+                        "--running", args.running, "--steps", str(args.steps),
+                        "--passes", str(args.passes)],
+                       cwd=tree, env=env, check=True, timeout=args.timeout)
+        return json.loads(Path(out.name).read_text())
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians over rounds: each decode case's ms, and the workload pass's seconds."""
+    summary = {f"decode_ms_{n}": statistics.median(r["decode_ms"][n] for r in rounds)
+               for n in rounds[0]["decode_ms"]}
+    summary["workload_s"] = statistics.median(s for r in rounds for s in r["workload_s"])
+    return summary
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    trees: dict[str, Path] = {"this": REPO}
+    rounds: dict[str, list[dict[str, Any]]] = {"this": []}
+    with tempfile.TemporaryDirectory(prefix="pdserve-host-step-") as tmp:
+        if args.against:
+            trees = {"earlier": Path(tmp) / "tree", **trees}
+            rounds["earlier"] = []
+            subprocess.run(["git", "worktree", "add", "--detach", str(trees["earlier"]),
+                            args.against], cwd=REPO, check=True, capture_output=True,
+                           timeout=120)
+        try:
+            for i in range(args.rounds):
+                for name, tree in trees.items():
+                    rounds[name].append(run_child(tree, args))
+                    print(f"round {i + 1} {name}: {summarize(rounds[name][-1:])}", flush=True)
+        finally:
+            if args.against:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees["earlier"])],
+                               cwd=REPO, check=False, capture_output=True, timeout=120)
+    report: dict[str, Any] = {"against": args.against, "machine": platform.processor()
+                              or platform.machine(), "rounds": rounds,
+                              "median": {name: summarize(r) for name, r in rounds.items()}}
+    if args.against:
+        report["this_over_earlier"] = {key: report["median"]["this"][key] / value
+                                       for key, value in report["median"]["earlier"].items()}
+    return report
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", default="128,256", help="decode cases: requests running")
+    parser.add_argument("--steps", type=int, default=100, help="timed decode steps per case")
+    parser.add_argument("--passes", type=int, default=3, help="workload passes per round")
+    parser.add_argument("--rounds", type=int, default=5, help="child processes per tree")
+    parser.add_argument("--against", help="an earlier commit to compare with, side by side")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.steps, args.passes, args.rounds) < 1:
+        parser.error("--steps, --passes and --rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        running = [int(n) for n in args.running.split(",")]
+        args.child.write_text(json.dumps(one_round(running, args.steps, args.passes)))
+        return 0
+    report = compare(args)
+    print(json.dumps({k: report[k] for k in ("median", "this_over_earlier") if k in report},
+                     indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+        sys.path.pop(0)  # run as a file (a child): import from PYTHONPATH's tree, not here
+    raise SystemExit(main())
