@@ -34,6 +34,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.splits import pick_num_splits
+from engine.device_tensors import host_tensor, padded_host_tensor
 
 PAD_SLOT = -1  # the KV-write kernels skip negative slots
 
@@ -102,15 +103,17 @@ class StaticDecodeInputs:
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a sequence spans {width} blocks, the graphs hold "
                              f"{self.max_blocks_per_seq}")
-        table = [t + [0] * (width - len(t)) for t in rows.block_tables]
-        self._copy(self.block_table[:len(table), :width], table, torch.int32)
+        table = padded_host_tensor(rows.block_tables, width, torch.int32)
+        self._copy_host(self.block_table[:len(rows.block_tables), :width], table)
 
     def _copy(self, dst: torch.Tensor, values: list, dtype: torch.dtype) -> None:
+        self._copy_host(dst, host_tensor(values, dtype))
+
+    def _copy_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.device.type == "cuda":
-            src = torch.tensor(values, dtype=dtype, pin_memory=True)
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src.pin_memory(), non_blocking=True)
         else:
-            dst.copy_(torch.tensor(values, dtype=dtype))
+            dst.copy_(src)
 
     def metadata(self, bucket: int, num_kv_splits: int, max_seq_len: int) -> AttentionMetadata:
         """Views of the buffers for `bucket` rows: the same addresses at every replay."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.device_tensors import to_device
+from engine.device_tensors import moved, padded_host_tensor, to_device
 from engine.scheduler import ScheduledRequest
 
 
@@ -75,13 +75,13 @@ def batch_tensors(batch: HostBatch, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Token ids, positions and the attention metadata of an eager (not graphed) step."""
     width = max(len(t) for t in batch.block_tables)
-    table = [t + [0] * (width - len(t)) for t in batch.block_tables]
+    table = padded_host_tensor(batch.block_tables, width, torch.int32)
     starts = [0]
     for n in batch.query_lens:
         starts.append(starts[-1] + n)
     md = AttentionMetadata(
         slot_mapping=to_device(batch.slots, torch.int64, device),
-        block_table=to_device(table, torch.int32, device),
+        block_table=moved(table, device),
         seq_lens=to_device(batch.seq_lens, torch.int32, device),
         query_start_loc=to_device(starts, torch.int32, device),
         max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
