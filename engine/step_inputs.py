@@ -38,33 +38,69 @@ class HostBatch:
 
 
 def host_batch(items: list[ScheduledRequest], block_size: int) -> HostBatch:
-    bs = block_size
     batch = HostBatch()
     for item in items:
-        request = item.request
-        blocks = request.block_ids
-        known = request.tokens_in(item.start, min(item.end, request.num_known_tokens))
-        for _ in range(item.num_tokens - len(known)):  # only the last token can be pending
-            batch.pending.append((len(batch.token_ids) + len(known), request.request_id))
-            known.append(0)
-        batch.token_ids.extend(known)
-        span = range(item.start, item.end)
-        batch.positions.extend(span)
-        batch.slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-        batch.query_lens.append(item.num_tokens)
-        batch.seq_lens.append(item.end)
-        batch.block_tables.append(blocks[: -(-item.end // bs)])
+        if item.num_tokens == 1:
+            _add_decode(batch, item, block_size)
+        else:
+            _add_chunk(batch, item, block_size)
         if item.samples:
             batch.logits_rows.append(len(batch.token_ids) - 1)
-        _add_prompt_rows(batch, item, len(batch.token_ids) - item.num_tokens)
+        if item.request.params.prompt_logprobs is None:
+            batch.prompt_counts.append(0)
+        else:
+            _add_prompt_rows(batch, item, len(batch.token_ids) - item.num_tokens)
     return batch
+
+
+def _add_decode(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
+    """One position: the common case, kept to plain appends (a step has hundreds)."""
+    request = item.request
+    pos = item.start
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    if pos < len(prompt):
+        token = prompt[pos]
+    elif pos - len(prompt) < len(output):
+        token = output[pos - len(prompt)]
+    else:  # sampled by the step in flight: only the last token can be pending
+        batch.pending.append((len(batch.token_ids), request.request_id))
+        token = 0
+    blocks = request.block_ids
+    batch.token_ids.append(token)
+    batch.positions.append(pos)
+    batch.slots.append(blocks[pos // bs] * bs + pos % bs)
+    batch.query_lens.append(1)
+    batch.seq_lens.append(pos + 1)
+    batch.block_tables.append(blocks[:pos // bs + 1])
+
+
+def _add_chunk(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
+    """Several positions (a prompt chunk): slots written a block's run at a time."""
+    request = item.request
+    start, end = item.start, item.end
+    known = request.tokens_in(start, min(end, request.num_known_tokens))
+    for _ in range(item.num_tokens - len(known)):  # only the last token can be pending
+        batch.pending.append((len(batch.token_ids) + len(known), request.request_id))
+        known.append(0)
+    batch.token_ids.extend(known)
+    batch.positions.extend(range(start, end))
+    blocks = request.block_ids
+    pos = start
+    while pos < end:
+        stop = min(end, (pos // bs + 1) * bs)
+        first = blocks[pos // bs] * bs + pos % bs
+        batch.slots.extend(range(first, first + stop - pos))
+        pos = stop
+    batch.query_lens.append(item.num_tokens)
+    batch.seq_lens.append(end)
+    batch.block_tables.append(blocks[: -(-end // bs)])
 
 
 def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -> None:
     """Rows at prompt positions p < prompt length - 1 predict prompt token p + 1."""
     request = item.request
     end = min(item.end, request.num_prompt_tokens - 1)
-    count = max(0, end - item.start) if request.params.prompt_logprobs is not None else 0
+    count = max(0, end - item.start)
     batch.prompt_counts.append(count)
     if count:
         batch.prompt_rows.extend(range(first_row, first_row + count))
