@@ -146,6 +146,8 @@ class BlockManager:
             return
         hashes = request._block_hashes
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if full <= len(hashes):  # no block filled since the last call: most steps
+            return
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), full):
             tokens = tuple(request.tokens_in(i * self.block_size, (i + 1) * self.block_size))
@@ -167,7 +169,11 @@ class BlockManager:
         `cached_blocks` are prefix-cache hits for a request that holds no blocks yet; they count
         as computed tokens once taken.
         """
-        if cached_blocks and request.block_ids:
+        if not cached_blocks:  # a running request: most steps need no new block
+            needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+            if needed <= len(request.block_ids):
+                return True
+        elif request.block_ids:
             raise RuntimeError(f"request {request.request_id} already holds blocks")
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens)
