@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import time
@@ -154,17 +155,19 @@ class SamplingParams:
             raise ValueError("min_tokens cannot be combined with structured_output (the "
                              "constraint decides where the output ends)")
 
-    @property
+    # Cached (in the instance's __dict__, beside the frozen fields): each step asks them of
+    # every sampling row, several times.
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def penalizes_history(self) -> bool:
         """Whether sampling needs the tokens seen so far (a penalty is set)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
+    @functools.cached_property
     def processes_logits(self) -> bool:
         """Whether any logit processing is set (bias, min_tokens or a penalty)."""
         return bool(self.logit_bias) or self.min_tokens > 0 or self.penalizes_history
@@ -187,6 +190,9 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self is RequestStatus.FINISHED
+
+
+_FINISHED = RequestStatus.FINISHED
 
 
 class FinishReason(str, enum.Enum):
@@ -281,7 +287,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status is _FINISHED  # asked several times per request per step
 
     def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> str:
         """Record a sampled token (a pending one, if any, first); return the text it completes
