@@ -187,10 +187,6 @@ class RequestStatus(enum.Enum):
     # before it is detached to move to another worker (Scheduler.pause)
     PAUSED = "paused"
 
-    @property
-    def finished(self) -> bool:
-        return self is RequestStatus.FINISHED
-
 
 _FINISHED = RequestStatus.FINISHED
 
