@@ -17,3 +17,17 @@ def test_smoke_run_on_cpu_writes_a_row_per_system(tmp_path, default_model_dir):
     assert (tmp_path / "out.json").is_file()
     table = gpu_engine.markdown(results)
     assert "| tiny | ours_eager |" in table and "| tiny | hf_static |" in table
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert gpu_engine.union_length([]) == 0.0
+    # overlapping, nested, touching and apart; unsorted
+    spans = [(10.0, 14.0), (0.0, 5.0), (3.0, 8.0), (4.0, 6.0), (14.0, 15.0), (20.0, 21.5)]
+    assert gpu_engine.union_length(spans) == 8.0 + 5.0 + 1.5
+
+
+def test_the_busy_cell_shows_the_unprofiled_share_where_there_is_one():
+    assert gpu_engine.busy_cell({}) == "-"
+    assert gpu_engine.busy_cell({"busy_share": 0.705}) == "70%"
+    assert gpu_engine.busy_cell({"busy_share": 0.705, "busy_share_unprofiled": 0.9}) == \
+        "70% (90% unprofiled)"
