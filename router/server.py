@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.gc_heap import freeze_startup_heap, thaw_heap
 from common.grpc_server import NO_DEADLINE_S, Server, start_server
 from engine.config import ModelConfig
 from engine.prepare import default_model_dir, is_prepared
@@ -229,6 +230,7 @@ class Router:
 def serve(options: RouterOptions) -> int:
     router = Router(options)
     port = router.start()
+    freeze_startup_heap()  # common.gc_heap: the process routes until it exits
     http = f", OpenAI API: http://{router.http_address}/v1" if router.http_address else ""
     if router.internal_address:
         http += f", workers register at {router.internal_address}"
@@ -243,4 +245,5 @@ def serve(options: RouterOptions) -> int:
         log.warning("drain: requests still in flight after %.0fs; stopping anyway",
                     options.grace_s)
     router.stop(1.0)
+    thaw_heap()
     return 0

@@ -11,6 +11,7 @@ from typing import Protocol
 
 import grpc
 
+from common.gc_heap import freeze_startup_heap, thaw_heap
 from common.grpc_server import Server, start_server
 from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -159,6 +160,7 @@ class WorkerProcess:
             self.close()
             raise
         self.link.start()
+        freeze_startup_heap()  # the process serves with this engine until it exits
 
     def run_until(self, stop: threading.Event) -> None:
         """Serve until `stop` is set, then drain."""
@@ -178,6 +180,7 @@ class WorkerProcess:
         self.role.metrics.close()
         self.role.loop.stop()
         self.role.close()
+        thaw_heap()
 
 
 def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
