@@ -229,8 +229,15 @@ class Router:
 
 def serve(options: RouterOptions) -> int:
     router = Router(options)
+    freeze_startup_heap()  # before it listens; the process routes until it exits
+    try:
+        return _serve_until_signal(router, options)
+    finally:
+        thaw_heap()
+
+
+def _serve_until_signal(router: Router, options: RouterOptions) -> int:
     port = router.start()
-    freeze_startup_heap()  # common.gc_heap: the process routes until it exits
     http = f", OpenAI API: http://{router.http_address}/v1" if router.http_address else ""
     if router.internal_address:
         http += f", workers register at {router.internal_address}"
@@ -245,5 +252,4 @@ def serve(options: RouterOptions) -> int:
         log.warning("drain: requests still in flight after %.0fs; stopping anyway",
                     options.grace_s)
     router.stop(1.0)
-    thaw_heap()
     return 0

@@ -152,6 +152,9 @@ class WorkerProcess:
             role.bind(self.address)
             metrics_port = role.metrics.serve(options.host, options.metrics_port)
             self.metrics_address = f"{options.public_host}:{metrics_port}"
+            # Before the router knows this worker: no request is in flight yet, and the process
+            # serves with this engine until it exits (common.gc_heap)
+            freeze_startup_heap()
             self.link = RouterLink(options.router, registration(
                 options, role, self.address, self.metrics_address, model_name),
                 lambda: role.loop.load, read_ca(options.tls_ca))
@@ -160,7 +163,6 @@ class WorkerProcess:
             self.close()
             raise
         self.link.start()
-        freeze_startup_heap()  # the process serves with this engine until it exits
 
     def run_until(self, stop: threading.Event) -> None:
         """Serve until `stop` is set, then drain."""
