@@ -106,6 +106,8 @@ class SamplingParams:
         top_p = float(self.top_p)
         if math.isnan(top_p) or not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, value in (("temperature", temp), ("top_p", top_p)):
+            object.__setattr__(self, name, value)  # the sampler reads floats, not "0.5"
         _check_int("top_k", self.top_k)
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
@@ -133,6 +135,8 @@ class SamplingParams:
         if not 0.0 < float(self.repetition_penalty) <= self.MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {self.MAX_REPETITION_PENALTY:g}]"
                              f", got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
         bias = dict(self.logit_bias)  # accepts a mapping or pairs; one entry per token
         for token, value in bias.items():
             _check_int("logit_bias token id", token)
