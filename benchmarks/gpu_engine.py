@@ -304,12 +304,13 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def busy_cell(busy: dict[str, float]) -> str:
-    """The profiled pass's share, then the unprofiled estimate where the run has one."""
+    """The profiled pass's share, then the unprofiled estimate where the run has one (kernel
+    time as the profiler saw it, over a pass without it: an estimate, not capped at 100%)."""
     if "busy_share" not in busy:
         return "-"
     unprofiled = busy.get("busy_share_unprofiled")
     return f"{busy['busy_share']:.0%}" + ("" if unprofiled is None else
-                                           f" ({unprofiled:.0%} unprofiled)")
+                                           f" (~{unprofiled:.0%} unprofiled)")
 
 
 def clocks_cell(result: dict[str, Any]) -> str:

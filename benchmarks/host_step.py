@@ -30,7 +30,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -164,9 +163,15 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             if args.against:
                 subprocess.run(["git", "worktree", "remove", "--force", str(trees["earlier"])],
                                cwd=REPO, check=False, capture_output=True, timeout=120)
-    report: dict[str, Any] = {"against": args.against, "machine": platform.processor()
-                              or platform.machine(), "rounds": rounds,
-                              "median": {name: summarize(r) for name, r in rounds.items()}}
+    from benchmarks.cpu_decode_kernel import cpu_description
+
+    model, flags = cpu_description()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, timeout=30).stdout.strip()
+    report: dict[str, Any] = {
+        "against": args.against, "head": head, "cpu": model, "cpu_flags": flags,
+        "cpus": os.cpu_count(), "rounds": rounds,
+        "median": {name: summarize(r) for name, r in rounds.items()}}
     if args.against:
         report["this_over_earlier"] = {key: report["median"]["this"][key] / value
                                        for key, value in report["median"]["earlier"].items()}

@@ -30,4 +30,4 @@ def test_the_busy_cell_shows_the_unprofiled_share_where_there_is_one():
     assert gpu_engine.busy_cell({}) == "-"
     assert gpu_engine.busy_cell({"busy_share": 0.705}) == "70%"
     assert gpu_engine.busy_cell({"busy_share": 0.705, "busy_share_unprofiled": 0.9}) == \
-        "70% (90% unprofiled)"
+        "70% (~90% unprofiled)"
