@@ -13,7 +13,9 @@ At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host 
 
 - decode: ms per decode-only step with `--running` requests running (300-token prompts);
 - workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
-  offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass).
+  offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass);
+- gc: ms of a full collection of the child's heap after those, as it is and frozen
+  (`gc.freeze()`, as serving processes do: common.gc_heap).
 
 The stub's logits are one-hot rows over the first 1,024 token ids (a different token per row),
 so the sampler, the detokenizer and the stop checks see ordinary tokens. Timings include the
@@ -119,7 +121,22 @@ def one_round(running: list[int], steps: int, passes: int) -> dict[str, Any]:
         result["decode_ms"][str(n)] = decode_ms(llm.engine, n, steps, 28_000 + 512 * k)
     for p in range(passes):
         result["workload_s"].append(workload_s(llm, run=p))
+    result["gc_full_ms"] = full_collection_ms()
+    gc.freeze()  # as a serving process does once it serves (common.gc_heap)
+    result["gc_full_ms_frozen"] = full_collection_ms()
+    gc.unfreeze()
     return result
+
+
+def full_collection_ms() -> float:
+    """Median ms of five full collections of this process's heap (the pause a step loop takes
+    when the collector's oldest generation runs)."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        gc.collect()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +158,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, float]:
     summary = {f"decode_ms_{n}": statistics.median(r["decode_ms"][n] for r in rounds)
                for n in rounds[0]["decode_ms"]}
     summary["workload_s"] = statistics.median(s for r in rounds for s in r["workload_s"])
+    for key in ("gc_full_ms", "gc_full_ms_frozen"):
+        summary[key] = statistics.median(r[key] for r in rounds)
     return summary
 
 

@@ -36,6 +36,7 @@ def test_compares_head_with_itself_and_removes_the_worktree() -> None:
     assert set(report["median"]) == {"earlier", "this"}
     for figures in report["median"].values():
         assert figures["decode_ms_2"] > 0 and figures["workload_s"] > 0
+        assert figures["gc_full_ms"] > figures["gc_full_ms_frozen"] >= 0
     ratio = report["this_over_earlier"]["workload_s"]
     assert ratio == report["median"]["this"]["workload_s"] / \
         report["median"]["earlier"]["workload_s"]
