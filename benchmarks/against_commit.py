@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEFAULT_WORKLOAD, write_json
+from benchmarks.common import DEFAULT_WORKLOAD, commit_tree, head_commit, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,22 +38,14 @@ def _run_child(tree: Path, dtype: str, workload: str, timeout: float) -> dict[st
 
 
 def compare(commit: str, runs: int, dtype: str, workload: str, timeout: float) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="pdserve-base-") as tmp:
-        base_tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), commit],
-                       cwd=REPO, check=True, capture_output=True, timeout=120)
-        try:
-            tok_s: dict[str, list[float]] = {"earlier": [], "this": []}
-            for _ in range(runs):
-                for name, tree in (("earlier", base_tree), ("this", REPO)):
-                    result = _run_child(tree, dtype, workload, timeout)
-                    tok_s[name].append(result["tok_s_median"])
-                    print(f"{name}: {result['tok_s_median']:.2f} tok/s", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=REPO,
-                           check=False, capture_output=True, timeout=120)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                          capture_output=True, text=True, timeout=30).stdout.strip()
+    tok_s: dict[str, list[float]] = {"earlier": [], "this": []}
+    with commit_tree(commit) as base_tree:
+        for _ in range(runs):
+            for name, tree in (("earlier", base_tree), ("this", REPO)):
+                result = _run_child(tree, dtype, workload, timeout)
+                tok_s[name].append(result["tok_s_median"])
+                print(f"{name}: {result['tok_s_median']:.2f} tok/s", flush=True)
+    head = head_commit()
     medians = {name: statistics.median(values) for name, values in tok_s.items()}
     return {"commit": commit, "head": head, "dtype": dtype, "workload": workload,
             "tok_s": tok_s, "median": medians, "ratio": medians["this"] / medians["earlier"]}

@@ -7,6 +7,9 @@ import os
 import resource
 import statistics
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +85,27 @@ def summarize_runs(system: str, dtype: str, runs: list[dict[str, Any]],
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def commit_tree(commit: str) -> Iterator[Path]:
+    """`commit` checked out (detached) into a temporary git worktree, removed on exit: the
+    earlier tree of the benchmarks that compare two commits side by side."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-base-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO,
+                       check=True, capture_output=True, timeout=120)
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO,
+                           check=False, capture_output=True, timeout=120)
+
+
+def head_commit() -> str:
+    """This checkout's commit, abbreviated ("" outside a git checkout)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True, timeout=30).stdout.strip()
 
 
 def file_at(rev: str, path: str) -> bytes:

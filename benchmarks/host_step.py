@@ -29,6 +29,7 @@ hits both alike. Reported: each tree's median, and this / earlier (below 1: less
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -164,31 +165,23 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
+    # here, not at the top: a child imports this file from an earlier tree's PYTHONPATH
+    from benchmarks.common import commit_tree, head_commit
+
     trees: dict[str, Path] = {"this": REPO}
     rounds: dict[str, list[dict[str, Any]]] = {"this": []}
-    with tempfile.TemporaryDirectory(prefix="pdserve-host-step-") as tmp:
-        if args.against:
-            trees = {"earlier": Path(tmp) / "tree", **trees}
-            rounds["earlier"] = []
-            subprocess.run(["git", "worktree", "add", "--detach", str(trees["earlier"]),
-                            args.against], cwd=REPO, check=True, capture_output=True,
-                           timeout=120)
-        try:
-            for i in range(args.rounds):
-                for name, tree in trees.items():
-                    rounds[name].append(run_child(tree, args))
-                    print(f"round {i + 1} {name}: {summarize(rounds[name][-1:])}", flush=True)
-        finally:
-            if args.against:
-                subprocess.run(["git", "worktree", "remove", "--force", str(trees["earlier"])],
-                               cwd=REPO, check=False, capture_output=True, timeout=120)
+    with commit_tree(args.against) if args.against else contextlib.nullcontext() as earlier:
+        if earlier is not None:
+            trees, rounds = {"earlier": earlier, **trees}, {"earlier": [], **rounds}
+        for i in range(args.rounds):
+            for name, tree in trees.items():
+                rounds[name].append(run_child(tree, args))
+                print(f"round {i + 1} {name}: {summarize(rounds[name][-1:])}", flush=True)
     from benchmarks.cpu_decode_kernel import cpu_description
 
     model, flags = cpu_description()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True, timeout=30).stdout.strip()
     report: dict[str, Any] = {
-        "against": args.against, "head": head, "cpu": model, "cpu_flags": flags,
+        "against": args.against, "head": head_commit(), "cpu": model, "cpu_flags": flags,
         "cpus": os.cpu_count(), "rounds": rounds,
         "median": {name: summarize(r) for name, r in rounds.items()}}
     if args.against:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import write_json
+from benchmarks.common import commit_tree, write_json
 from benchmarks.kv_transfer import cpu_model
 from benchmarks.served_thread_cpu import API_NAMES
 
@@ -54,20 +54,13 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {"earlier": [], "this": []}
-    with tempfile.TemporaryDirectory(prefix="pdserve-base-") as tmp:
-        base = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.commit],
-                       cwd=REPO, check=True, capture_output=True, timeout=120)
-        try:
-            for round_ in range(args.rounds):
-                for name, tree in (("earlier", base), ("this", REPO)):
-                    got = _one_tree(tree, args)
-                    runs[name] += got
-                    print(f"round {round_ + 1} {name}: ITL p50 "
-                          f"{[round(r['itl_p50_ms'], 1) for r in got]} ms", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=REPO,
-                           check=False, capture_output=True, timeout=120)
+    with commit_tree(args.commit) as base:
+        for round_ in range(args.rounds):
+            for name, tree in (("earlier", base), ("this", REPO)):
+                got = _one_tree(tree, args)
+                runs[name] += got
+                print(f"round {round_ + 1} {name}: ITL p50 "
+                      f"{[round(r['itl_p50_ms'], 1) for r in got]} ms", flush=True)
     medians = {name: summary(values) for name, values in runs.items()}
     ratios = {key: medians["this"][key] / medians["earlier"][key] for key in medians["this"]}
     return {"commit": args.commit, "machine": cpu_model(), "dtype": args.dtype,
