@@ -32,6 +32,8 @@ from router.request.worker_client import WorkerStubs
 from serving.options import WorkerOptions
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# long enough that a driven request's own thread, however late, catches up and parks mid-stream
+STREAMED = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 # long enough that four requests sent together surely run together for a while
 TOGETHER = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 # still running when its test cancels, cuts or times it out: the tiny model steps in about a
@@ -174,13 +176,20 @@ class Driven:
 def test_driven_requests_stream_on_the_outputs_reader_with_no_thread_of_their_own(
         served, workload_prompts):
     prompts = [p[:35 + 6 * i] for i, p in enumerate(workload_prompts[12:15])]
-    runs = [Driven(served, f"v{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    runs = [Driven(served, f"v{i}", p, STREAMED) for i, p in enumerate(prompts)]
     for run in runs:
         assert run.ended.wait(60) and run.error is None
     for i, (run, prompt) in enumerate(zip(runs, prompts)):
-        assert [t for t, _ in run.tokens] == per_request_stream(served, f"vr{i}", prompt)
-        threads = {name for _, name in run.tokens[1:-1]}  # between its first and its last
-        assert threads == {"outputs-colocated-0"}
+        assert [t for t, _ in run.tokens] == per_request_stream(served, f"vr{i}", prompt,
+                                                                STREAMED)
+        # Its own thread reads whatever came before it first parks (none, or on a loaded
+        # machine a few steps' chunks); from then on the reader hands every chunk over until
+        # the last, whose finish goes on on a thread of the request's own.
+        threads = [name for _, name in run.tokens[:-1]]
+        assert "outputs-colocated-0" in threads
+        handed_over = threads.index("outputs-colocated-0")
+        assert set(threads[:handed_over]) <= {f"driven-v{i}"}
+        assert set(threads[handed_over:]) == {"outputs-colocated-0"}
     assert WAITING not in [t for run in runs for t, _ in run.tokens]
     served.wait_all_free()
 
