@@ -2,8 +2,8 @@
 CUDA engine's host runs it (decode steps through the decode graphs' static buffers, async
 scheduling), on CPU.
 
-    python -m benchmarks.host_step [--running 128,256] [--steps 100] [--passes 3] [--rounds 5]
-        [--against REV] [--json OUT]
+    python -m benchmarks.host_step [--running 128,256] [--deep 1024] [--steps 100] [--passes 3]
+        [--rounds 5] [--against REV] [--json OUT]
 
 On a GPU, with CUDA graphs, a decode step's forward is one launch; what else the host does in a
 step — schedule, build the batch's lists and tensors, launch the sampling, read the tokens back,
@@ -11,7 +11,9 @@ advance every request, detokenize, build the outputs — decides whether the GPU
 At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host set the pace
 (BENCHMARKS.md, "GPU proof"). This measures that host work alone, on any machine:
 
-- decode: ms per decode-only step with `--running` requests running (300-token prompts);
+- decode: ms per decode-only step with `--running` requests running (300-token prompts), and
+  with the first count running `--deep` tokens into their outputs; the requests ask for delta
+  outputs, as a decode worker's do;
 - workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
   offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass);
 - gc: ms of a full collection of the child's heap after those, as it is and frozen
@@ -75,17 +77,29 @@ def stubbed_llm(async_scheduling: bool = True) -> Any:
     return llm
 
 
-def decode_ms(engine: Any, running: int, steps: int, first_id: int) -> float:
-    """Mean ms of `steps` decode-only steps with `running` requests running."""
+def streaming_params(max_tokens: int) -> Any:
+    """Greedy params as a decode worker's requests have them: delta outputs (OutputKind.DELTA),
+    where the tree has output kinds (an earlier tree's worker built cumulative ones)."""
+    import dataclasses
+
     from engine.request import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if "output_kind" in SamplingParams.__dataclass_fields__:
+        params = dataclasses.replace(params, output_kind="delta")
+    return params
+
+
+def decode_ms(engine: Any, running: int, steps: int, first_id: int, depth: int = 0) -> float:
+    """Mean ms of `steps` decode-only steps with `running` requests running, `depth` tokens into
+    their outputs."""
+    params = streaming_params(depth + steps + 16)
     for i in range(running):
         engine.add_request([first_id + i] + list(range(2000, 2000 + PROMPT_TOKENS - 1)), params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
-    for _ in range(2):
+    for _ in range(2 + depth):
         engine.step()
     gc.collect()  # each case starts from the same collector state: a full collection's pause
     start = time.perf_counter()  # then falls where this tree's allocations put it
@@ -113,13 +127,16 @@ def workload_s(llm: Any, run: int) -> float:
     return time.perf_counter() - start
 
 
-def one_round(running: list[int], steps: int, passes: int) -> dict[str, Any]:
+def one_round(running: list[int], steps: int, passes: int, deep: int) -> dict[str, Any]:
     """Every case once, in one engine (the child's whole work)."""
     llm = stubbed_llm()
     workload_s(llm, run=passes)  # warm-up: the first steps import and allocate
     result: dict[str, Any] = {"decode_ms": {}, "workload_s": []}
     for k, n in enumerate(running):
         result["decode_ms"][str(n)] = decode_ms(llm.engine, n, steps, 28_000 + 512 * k)
+    if deep:
+        result["decode_ms"][f"{running[0]}_at_{deep}"] = decode_ms(
+            llm.engine, running[0], steps, 28_000 + 512 * len(running), depth=deep)
     for p in range(passes):
         result["workload_s"].append(workload_s(llm, run=p))
     result["gc_full_ms"] = full_collection_ms()
@@ -149,7 +166,7 @@ def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
                "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", out.name,
                         "--running", args.running, "--steps", str(args.steps),
-                        "--passes", str(args.passes)],
+                        "--passes", str(args.passes), "--deep", str(args.deep)],
                        cwd=tree, env=env, check=True, timeout=args.timeout)
         return json.loads(Path(out.name).read_text())
 
@@ -194,6 +211,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", default="128,256", help="decode cases: requests running")
     parser.add_argument("--steps", type=int, default=100, help="timed decode steps per case")
+    parser.add_argument("--deep", type=int, default=1024,
+                        help="one more decode case: the first --running count, this many "
+                             "tokens into each output (0: none)")
     parser.add_argument("--passes", type=int, default=3, help="workload passes per round")
     parser.add_argument("--rounds", type=int, default=5, help="child processes per tree")
     parser.add_argument("--against", help="an earlier commit to compare with, side by side")
@@ -203,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.steps, args.passes, args.rounds) < 1:
         parser.error("--steps, --passes and --rounds must be >= 1")
+    if args.deep < 0:
+        parser.error("--deep must be >= 0")
     return args
 
 
@@ -210,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         running = [int(n) for n in args.running.split(",")]
-        args.child.write_text(json.dumps(one_round(running, args.steps, args.passes)))
+        args.child.write_text(json.dumps(one_round(running, args.steps, args.passes,
+                                                   args.deep)))
         return 0
     report = compare(args)
     print(json.dumps({k: report[k] for k in ("median", "this_over_earlier") if k in report},

@@ -270,7 +270,7 @@ def _chunk(output: RequestOutput | Paused, admission_s: float = 0.0) -> pb.Token
     if isinstance(output, Paused):
         return pb.TokenChunk(paused=True)
     chunk = pb.TokenChunk(token_ids=output.new_token_ids, admission_s=admission_s)
-    if len(output.token_ids) == len(output.new_token_ids):  # the first chunk
+    if output.num_output_tokens == len(output.new_token_ids):  # the first chunk
         chunk.cached_tokens = output.num_cached_tokens
         chunk.forked = output.forked
         chunk.queue_s = output.queue_s or 0.0
@@ -278,8 +278,8 @@ def _chunk(output: RequestOutput | Paused, admission_s: float = 0.0) -> pb.Token
         # computed here only for a whole generation (an admitted one's came from its prefill)
         chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(output.prompt_token_ids,
                                                               output.prompt_logprobs))
-    if output.logprobs is not None:
-        offset = len(output.token_ids) - len(output.new_token_ids)
+    if output.logprobs is not None:  # the last len(new_token_ids) are the chunk's
+        offset = len(output.logprobs) - len(output.new_token_ids)
         chunk.logprobs.extend(logprob_to_proto(t, output.logprobs[offset + i])
                               for i, t in enumerate(output.new_token_ids))
     if output.finished:

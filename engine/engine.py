@@ -12,12 +12,13 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig, default_dtype
 from engine.loader import resolve_model_path
 from engine.model_runner import LaunchedStep, ModelRunner
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import FinishReason, OutputKind, Request, SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.tp_ranks import RankLauncher
 
 log = logging.getLogger(__name__)
+_FINAL_ONLY = OutputKind.FINAL_ONLY
 
 @dataclass
 class RequestOutput:
@@ -27,6 +28,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
+    # Everything so far, or (params.output_kind DELTA) the same as the delta: new_token_ids,
+    # new_text and the delta's logprobs
     token_ids: list[int]
     text: str
     finished: bool
@@ -41,6 +44,12 @@ class RequestOutput:
     ttft_s: float | None = None  # arrival → first token
     latency_s: float | None = None  # arrival → finish
     queue_s: float | None = None  # arrival → its first step (the rest of ttft_s is compute)
+    # Output tokens so far, whatever the kind (None when built: len(token_ids))
+    num_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens is None:
+            self.num_output_tokens = len(self.token_ids)
 
 
 class LLMEngine:
@@ -250,7 +259,7 @@ class LLMEngine:
         result = self.runner.execute(out)
         updates = self.scheduler.update(out, result.sampled, result.logprobs,
                                         prompt_logprobs=result.prompt_logprobs)
-        return [self._from_update(u) for u in updates]
+        return self._outputs(updates)
 
     def _has_constrained(self) -> bool:
         return any(r.params.structured_output for r in self.scheduler.all_requests())
@@ -280,17 +289,24 @@ class LLMEngine:
         updates = self.scheduler.update(previous[0], result.sampled, result.logprobs,
                                         computed_at_launch=True,
                                         prompt_logprobs=result.prompt_logprobs)
-        return [self._from_update(u) for u in updates]
+        return self._outputs(updates)
 
-    def _from_update(self, update: RequestUpdate) -> RequestOutput:
-        request = update.request
-        if request.params.structured_output is not None and not self.runner.grammars.accept(
-                request, update.new_token_ids[-1]) and not request.is_finished:
+    def _outputs(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+        """The step's outputs: one per update, but none for a FINAL_ONLY request still running."""
+        outputs = []
+        for update in updates:
+            request = update.request
+            if request.params.structured_output is not None:
+                self._check_constraint(request, update.new_token_ids[-1])
+            if request.params.output_kind is not _FINAL_ONLY or request.is_finished:
+                outputs.append(self._output(request, update.new_token_ids))
+        return outputs
+
+    def _check_constraint(self, request: Request, token: int) -> None:
+        if not self.runner.grammars.accept(request, token) and not request.is_finished:
             log.warning("request %s: token %d breaks its %s constraint; it ends here",
-                        request.request_id, update.new_token_ids[-1],
-                        request.params.structured_output.kind)
+                        request.request_id, token, request.params.structured_output.kind)
             self.scheduler.finish(request, FinishReason.ABORT)
-        return self._output(request, update.new_token_ids)
 
     def prepare_constraint(self, params: SamplingParams) -> None:
         """Compile a request's output constraint now (ValueError: why it cannot be): callable
@@ -300,8 +316,18 @@ class LLMEngine:
             self.runner.grammars.compile(params.structured_output)
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
+        params = request.params
         new_text = request.take_visible_text()
-        text = request.output_text
+        num_output = len(request.output_token_ids)
+        if params.output_kind is _FINAL_ONLY:  # its one output: everything is new
+            new_ids = list(request.output_token_ids)
+        if params.output_kind is OutputKind.DELTA:  # nothing so far copied again
+            token_ids, text = new_ids, new_text
+            logprobs = request.output_logprobs[num_output - len(new_ids):] \
+                if params.logprobs is not None else None
+        else:
+            token_ids, text = list(request.output_token_ids), request.output_text
+            logprobs = list(request.output_logprobs) if params.logprobs is not None else None
         now = time.monotonic()
         first = request.first_token_time
         return RequestOutput(
@@ -309,12 +335,12 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             new_token_ids=new_ids,
             new_text=new_text,
-            token_ids=list(request.output_token_ids),
+            token_ids=token_ids,
             text=text,
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            logprobs=logprobs,
             prompt_logprobs=(request.prompt_logprobs or [None] * request.num_prompt_tokens)
             if request.params.prompt_logprobs is not None else None,
             num_cached_tokens=request.num_cached_tokens,
@@ -323,6 +349,7 @@ class LLMEngine:
             latency_s=now - request.arrival_time if request.is_finished else None,
             queue_s=None if request.first_scheduled_time is None
             else request.first_scheduled_time - request.arrival_time,
+            num_output_tokens=num_output,
         )
 
 

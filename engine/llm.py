@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestOutput
-from engine.request import SamplingParams
+from engine.request import OutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -39,10 +40,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion as one continuous batch; outputs in prompt order."""
+        """Run every prompt to completion as one continuous batch; outputs in prompt order.
+        Each request's steps build no output until its last (OutputKind.FINAL_ONLY, as vLLM's
+        `generate` asks too), whatever kind `params` names."""
         final: dict[str, RequestOutput] = {}
         ids: list[str] = []
-        for outputs in self._stream(prompts, params, ids):
+        for outputs in self._stream(prompts, params, ids, OutputKind.FINAL_ONLY):
             for out in outputs:
                 if out.finished:
                     final[out.request_id] = out
@@ -60,9 +63,12 @@ class LLM:
 
     def _stream(self, prompts: Prompt | Sequence[Prompt],
                 params: SamplingParams | Sequence[SamplingParams] | None,
-                ids: list[str]) -> Iterator[list[RequestOutput]]:
+                ids: list[str], kind: OutputKind | None = None
+                ) -> Iterator[list[RequestOutput]]:
         batch = _as_prompt_list(prompts)
         per_prompt = _as_params_list(params, len(batch))
+        if kind is not None:
+            per_prompt = _with_output_kind(per_prompt, kind)
         engine = self.engine
         ids.extend(f"{self._batch_prefix()}-{i}" for i in range(len(batch)))
         # The whole batch is known up front, so admit the longest generations first (LPT order):
@@ -106,3 +112,13 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _with_output_kind(params: list[SamplingParams], kind: OutputKind) -> list[SamplingParams]:
+    """`params` asking for `kind`: one copy per distinct object (a batch often shares one)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p if p.output_kind is kind else dataclasses.replace(p,
+                                                                                output_kind=kind)
+    return [copies[id(p)] for p in params]

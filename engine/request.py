@@ -46,6 +46,20 @@ class StructuredOutput:
                                  "non-empty strings")
 
 
+class OutputKind(str, enum.Enum):
+    """Which outputs a request's steps produce (vLLM's RequestOutputKind).
+
+    CUMULATIVE: every step's output, with everything so far (`token_ids`, `text`, `logprobs`)
+    beside the step's delta. DELTA: every step's output with only the delta, so a long output's
+    tokens are not copied again at every step (what a streaming server reads). FINAL_ONLY: one
+    output, as the request ends, whose delta is the whole output (what batch generation reads):
+    a step builds none for the requests still running."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, validated on construction (ValueError names the field and its limit).
@@ -86,6 +100,9 @@ class SamplingParams:
     # seeded request draws at their positions' offset, so the continuation samples as the
     # request it continues would have. max_tokens and min_tokens are what is left.
     continued_tokens: int = 0
+    # How the engine hands the request's outputs over (never on the wire: each worker picks the
+    # kind its own consumer reads)
+    output_kind: OutputKind = OutputKind.CUMULATIVE
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs
@@ -125,6 +142,15 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
         self._check_logit_processing()
+        self._check_output_kind()
+
+    def _check_output_kind(self) -> None:
+        try:
+            object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
+        except ValueError:
+            raise ValueError(f"output_kind must be one of "
+                             f"{', '.join(k.value for k in OutputKind)}, got "
+                             f"{self.output_kind!r}") from None
 
     def _check_logit_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

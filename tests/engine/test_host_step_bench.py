@@ -18,6 +18,7 @@ def test_stubbed_steps_sample_the_one_hot_rows() -> None:
     # the stub's row 0 is one-hot at token 300, and every step samples one row here
     assert out.token_ids == [300] * 4
     assert 0 < decode_ms(llm.engine, running=3, steps=2, first_id=40_000)
+    assert 0 < decode_ms(llm.engine, running=2, steps=2, first_id=41_000, depth=5)
     assert not llm.engine.has_unfinished_requests()
     assert STUB_VOCAB < llm.engine.model_config.vocab_size
 
@@ -32,10 +33,11 @@ def test_compares_head_with_itself_and_removes_the_worktree() -> None:
 
     before = worktrees()
     report = compare(parse_args(["--against", "HEAD", "--running", "2", "--steps", "2",
-                                 "--passes", "1", "--rounds", "1"]))
+                                 "--passes", "1", "--rounds", "1", "--deep", "3"]))
     assert set(report["median"]) == {"earlier", "this"}
     for figures in report["median"].values():
         assert figures["decode_ms_2"] > 0 and figures["workload_s"] > 0
+        assert figures["decode_ms_2_at_3"] > 0
         assert figures["gc_full_ms"] > figures["gc_full_ms_frozen"] >= 0
     ratio = report["this_over_earlier"]["workload_s"]
     assert ratio == report["median"]["this"]["workload_s"] / \
@@ -47,3 +49,5 @@ def test_refuses_zero_rounds() -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["--rounds", "0"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--deep", "-1"])
