@@ -18,7 +18,7 @@ from engine.tokenizer import Tokenizer
 from engine.tp_ranks import RankLauncher
 
 log = logging.getLogger(__name__)
-_FINAL_ONLY = OutputKind.FINAL_ONLY
+
 
 @dataclass
 class RequestOutput:
@@ -298,7 +298,7 @@ class LLMEngine:
             request = update.request
             if request.params.structured_output is not None:
                 self._check_constraint(request, update.new_token_ids[-1])
-            if request.params.output_kind is not _FINAL_ONLY or request.is_finished:
+            if request.params.output_kind is not OutputKind.FINAL_ONLY or request.is_finished:
                 outputs.append(self._output(request, update.new_token_ids))
         return outputs
 
@@ -319,8 +319,6 @@ class LLMEngine:
         params = request.params
         new_text = request.take_visible_text()
         num_output = len(request.output_token_ids)
-        if params.output_kind is _FINAL_ONLY:  # its one output: everything is new
-            new_ids = list(request.output_token_ids)
         if params.output_kind is OutputKind.DELTA:  # nothing so far copied again
             token_ids, text = new_ids, new_text
             logprobs = request.output_logprobs[num_output - len(new_ids):] \
@@ -328,6 +326,8 @@ class LLMEngine:
         else:
             token_ids, text = list(request.output_token_ids), request.output_text
             logprobs = list(request.output_logprobs) if params.logprobs is not None else None
+            if params.output_kind is OutputKind.FINAL_ONLY and request.is_finished:
+                new_ids, new_text = token_ids, text  # its one output: all of it is new
         now = time.monotonic()
         first = request.first_token_time
         return RequestOutput(
