@@ -12,8 +12,8 @@ At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host 
 (BENCHMARKS.md, "GPU proof"). This measures that host work alone, on any machine:
 
 - decode: ms per decode-only step with `--running` requests running (300-token prompts), and
-  with the first count running `--deep` tokens into their outputs; the requests ask for delta
-  outputs, as a decode worker's do;
+  with the first count running `--deep` tokens into their outputs; the requests' params are
+  those the tree's decode worker runs (delta outputs, no text without stop strings);
 - workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
   offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass);
 - gc: ms of a full collection of the child's heap after those, as it is and frozen
@@ -78,15 +78,23 @@ def stubbed_llm(async_scheduling: bool = True) -> Any:
 
 
 def streaming_params(max_tokens: int) -> Any:
-    """Greedy params as a decode worker's requests have them: delta outputs (OutputKind.DELTA),
-    where the tree has output kinds (an earlier tree's worker built cumulative ones)."""
+    """Greedy params as the tree's decode worker runs them (serving.worker_params: delta outputs,
+    no text without stop strings; 5ed1403's worker asked for delta outputs only, and earlier
+    trees' workers for neither)."""
     import dataclasses
 
     from engine.request import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    if "output_kind" in SamplingParams.__dataclass_fields__:
-        params = dataclasses.replace(params, output_kind="delta")
+    # Told apart by the tree's SamplingParams: a module missing from an earlier tree would be
+    # imported from this one, second on the child's PYTHONPATH.
+    fields = SamplingParams.__dataclass_fields__
+    if "detokenize" in fields:
+        from serving.worker_params import worker_params
+
+        return worker_params(params)
+    if "output_kind" in fields:
+        return dataclasses.replace(params, output_kind="delta")
     return params
 
 

@@ -6,7 +6,6 @@ the connectors' threads, into reserved blocks only."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -17,7 +16,7 @@ from decode_worker.departures import Departures, Paused
 from decode_worker.output_sessions import OutputSessions, QueueSink
 from decode_worker.reservations import ReservationTable
 from engine.engine import LLMEngine, RequestOutput
-from engine.request import OutputKind, SamplingParams
+from engine.request import SamplingParams
 from kv_transfer import (
     KVReceiveConnector,
     KVSendConnector,
@@ -31,6 +30,7 @@ from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions
+from serving.worker_params import worker_params
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30.0  # a loop command waits at most one long step plus the queue ahead
@@ -121,7 +121,7 @@ class DecodeWorker:
         def run(engine: LLMEngine) -> TransferDescriptor:
             if request_id in self.table:
                 raise ValueError(f"request_id {request_id!r} already holds a reservation")
-            request = engine.new_request(token_ids, streamed(params), request_id)
+            request = engine.new_request(token_ids, worker_params(params), request_id)
             if not engine.reserve(request):
                 raise NoRoom(f"{engine.block_manager.blocks_needed(len(token_ids))} KV blocks "
                              f"needed, {engine.block_manager.num_free_blocks} free")
@@ -176,7 +176,7 @@ class DecodeWorker:
         self.loop.engine.prepare_constraint(params)  # here, not on the step loop's thread
 
         def run(engine: LLMEngine) -> None:
-            request = engine.new_request(token_ids, streamed(params), request_id)
+            request = engine.new_request(token_ids, worker_params(params), request_id)
             request.forks_expected = forks
             if fork_of and engine.fork(request, fork_of):
                 self.loop.sinks[request_id] = sink.put
@@ -278,14 +278,6 @@ class DecodeWorker:
 
 
 MAX_FORKS = 1023  # samples forking from one prompt (the router sends at most MAX_CHOICES - 1)
-
-
-def streamed(params: SamplingParams) -> SamplingParams:
-    """`params` asking for delta outputs: the worker streams each step's tokens and never reads
-    a request's whole output again (OutputKind.DELTA)."""
-    if params.output_kind is OutputKind.DELTA:
-        return params
-    return dataclasses.replace(params, output_kind=OutputKind.DELTA)
 
 
 def _check_forks(forks: int) -> None:

@@ -102,7 +102,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids,
                           max_model_len=self.max_model_len)
-        request.text_stream = self.tokenizer.text_stream(token_ids, params.skip_special_tokens)
+        if params.detokenize:
+            request.text_stream = self.tokenizer.text_stream(token_ids,
+                                                             params.skip_special_tokens)
         return request
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

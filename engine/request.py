@@ -100,9 +100,11 @@ class SamplingParams:
     # seeded request draws at their positions' offset, so the continuation samples as the
     # request it continues would have. max_tokens and min_tokens are what is left.
     continued_tokens: int = 0
-    # How the engine hands the request's outputs over (never on the wire: each worker picks the
-    # kind its own consumer reads)
+    # How the engine hands the request's outputs over, and whether it builds their text (False:
+    # `text` stays empty and no stop string can be asked for, as in vLLM). Never on the wire:
+    # each worker picks what its own consumer reads (serving.worker_params).
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    detokenize: bool = True
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency: OpenAI's bound, both signs
@@ -142,15 +144,19 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty str, got {s!r}")
         self._check_logit_processing()
-        self._check_output_kind()
+        self._check_output()
 
-    def _check_output_kind(self) -> None:
+    def _check_output(self) -> None:
         try:
             object.__setattr__(self, "output_kind", OutputKind(self.output_kind))
         except ValueError:
             raise ValueError(f"output_kind must be one of "
                              f"{', '.join(k.value for k in OutputKind)}, got "
                              f"{self.output_kind!r}") from None
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are found in the text)")
 
     def _check_logit_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -20,6 +20,7 @@ from serving.gate import Gate, check_queue
 from serving.loop import EngineLoop
 from serving.metrics import WorkerMetrics
 from serving.options import WorkerOptions
+from serving.worker_params import worker_params
 
 log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30.0
@@ -64,7 +65,7 @@ class PrefillWorker:
         done: Future[PrefillResult] = Future()
 
         def queue(engine: LLMEngine) -> None:
-            request = engine.new_request(token_ids, params, request_id)
+            request = engine.new_request(token_ids, worker_params(params), request_id)
             if request_id in self.shipping or request_id in self.loop.sinks:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             check_queue(engine.scheduler.num_waiting, self.gate.max_queued_requests)

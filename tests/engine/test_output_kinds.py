@@ -117,8 +117,20 @@ def test_an_aborted_request_gets_its_output_whatever_its_kind(tiny, prompts):
     assert not engine.has_unfinished_requests()
 
 
-def test_output_kind_is_checked_on_construction():
+def test_without_detokenizing_the_tokens_are_the_same_and_the_text_empty(tiny, prompts):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_text = tiny.generate(prompts, greedy)
+    without = tiny.generate(prompts, dataclasses.replace(greedy, detokenize=False))
+    assert [o.token_ids for o in without] == [o.token_ids for o in with_text]
+    assert all(o.text for o in with_text) and not any(o.text for o in without)
+
+
+def test_output_kind_and_detokenize_are_checked_on_construction():
     assert SamplingParams(output_kind="delta").output_kind is OutputKind.DELTA
     with pytest.raises(ValueError, match="output_kind must be one of cumulative, delta, "
                                          "final_only, got 'partial'"):
         SamplingParams(output_kind="partial")
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=("x",), detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be true or false, got 1"):
+        SamplingParams(detokenize=1)
