@@ -17,6 +17,7 @@ from decode_worker.worker import DecodeWorker
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
 from kv_transfer import TransferError
 from kv_transfer.fake import TRANSPORT, FakeFabric, FakeReceiveConnector, FakeSendConnector
 from prefill_worker.worker import PrefillWorker
@@ -188,3 +189,24 @@ def test_a_second_prefill_under_a_running_or_shipping_id_is_refused(tiny_llama_d
     finally:
         workers.fabric.finish_gate.set()
         workers.close()
+
+
+def test_workers_build_text_only_to_find_stop_strings(pair, tiny_llama_dir, workload_prompts):
+    prompt = workload_prompts[4][:60]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    descriptor = pair.decode.reserve("t1", prompt, greedy, lease_s=60, secret=SECRET)
+    first = pair.prefill.prefill(prompt, greedy, pair.prefill.transfer(
+        "t1", TRANSPORT, descriptor, SECRET), timeout_s=60)
+    _, outputs = pair.decode.admit("t1", first.first_token, first.logprobs)
+    outputs = list(outputs)
+    tokens = offline(str(tiny_llama_dir), prompt, greedy)
+    assert [first.first_token, *(t for o in outputs for t in o.new_token_ids)] == tokens
+    assert not any(o.text or o.new_text for o in outputs)  # the router detokenizes
+    assert all(o.token_ids == o.new_token_ids for o in outputs)  # deltas only
+    whole = Tokenizer(str(tiny_llama_dir)).decode(tokens)
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]  # ends the output half-way
+    stopped = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))
+    expected = offline(str(tiny_llama_dir), prompt, stopped)
+    assert len(expected) < greedy.max_tokens
+    assert pair.generate("t2", prompt, stopped) == expected
+    pair.wait_all_free()
