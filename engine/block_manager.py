@@ -205,7 +205,9 @@ class BlockManager:
         request's cached blocks, the prefix is evicted last."""
         for block_id in reversed(request.block_ids[request.num_released_blocks:]):
             self._unref(block_id)
-        request.block_ids.clear()
+        # A new list, not the old one cleared: engine.decode_block_table carries a decoding
+        # request's row over while its block list is the same object (ids only appended)
+        request.block_ids = []
         request._block_hashes.clear()
         request.num_released_blocks = 0
 

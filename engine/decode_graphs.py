@@ -30,11 +30,13 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.splits import pick_num_splits
-from engine.device_tensors import host_tensor, padded_host_tensor
+from engine.decode_block_table import DecodeBlockTable, HoldsBlocks
+from engine.device_tensors import host_tensor
 
 PAD_SLOT = -1  # the KV-write kernels skip negative slots
 
@@ -64,13 +66,14 @@ class DecodeRows:
     positions: list[int]
     slots: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]  # each sequence's blocks, up to its last position
+    # each sequence's request and how many of its blocks reach its last position
+    block_rows: list[tuple[HoldsBlocks, int]]
 
     def padded(self, bucket: int) -> DecodeRows:
         pad = bucket - len(self.token_ids)
         return DecodeRows(self.token_ids + [0] * pad, self.positions + [0] * pad,
                           self.slots + [PAD_SLOT] * pad, self.seq_lens + [0] * pad,
-                          self.block_tables)
+                          self.block_rows)
 
 
 class StaticDecodeInputs:
@@ -87,6 +90,7 @@ class StaticDecodeInputs:
         self.slot_mapping = torch.full((max_seqs,), PAD_SLOT, dtype=torch.int64, device=device)
         self.seq_lens = zeros(max_seqs, dtype=torch.int32)
         self.block_table = zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        self.host_block_table = DecodeBlockTable(max_seqs, max_blocks_per_seq)
         self.query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_seqs, dtype=torch.int64, device=device)
 
@@ -99,12 +103,11 @@ class StaticDecodeInputs:
         self._copy(self.positions[:bucket], padded.positions, torch.int64)
         self._copy(self.slot_mapping[:bucket], padded.slots, torch.int64)
         self._copy(self.seq_lens[:bucket], padded.seq_lens, torch.int32)
-        width = max(len(t) for t in rows.block_tables)
-        if width > self.max_blocks_per_seq:
-            raise ValueError(f"a sequence spans {width} blocks, the graphs hold "
-                             f"{self.max_blocks_per_seq}")
-        table = padded_host_tensor(rows.block_tables, width, torch.int32)
-        self._copy_host(self.block_table[:len(rows.block_tables), :width], table)
+        # Kept between steps and rewritten by the next: on CUDA the copy is queued from a pinned
+        # copy of it (as every copy here), never from the table itself.
+        table = self.host_block_table.update(rows.block_rows)
+        self._copy_host(self.block_table[:table.shape[0], :table.shape[1]],
+                        torch.from_numpy(np.ascontiguousarray(table)))
 
     def _copy(self, dst: torch.Tensor, values: list, dtype: torch.dtype) -> None:
         self._copy_host(dst, host_tensor(values, dtype))

@@ -308,7 +308,7 @@ class ModelRunner:
         prev_rows = previous.sample_rows() if prev_tokens is not None else None
         if bucket is not None:
             self.graphs.prepare(DecodeRows(batch.token_ids, batch.positions, batch.slots,
-                                           batch.seq_lens, batch.block_tables), bucket)
+                                           batch.seq_lens, batch.block_rows), bucket)
             self._fill_pending(self.graphs.inputs.token_ids, batch, previous)
             return PreparedStep(order, items, None, None, None, rows, bucket, prev_tokens,
                                 prev_rows)

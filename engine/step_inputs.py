@@ -14,6 +14,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.device_tensors import moved, padded_host_tensor, to_device
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
 
 
@@ -26,7 +27,10 @@ class HostBatch:
     slots: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    # Each item's request and how many of its blocks the step reads: its row of the block
+    # table is request.block_ids[:count], sliced only where a tensor is built from it (decode
+    # graphs keep theirs between steps: engine.decode_block_table)
+    block_rows: list[tuple[Request, int]] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)
     # (row in token_ids, request id) of tokens not read from the device yet
     pending: list[tuple[int, str]] = field(default_factory=list)
@@ -71,7 +75,7 @@ def _add_decode(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
     batch.slots.append(blocks[pos // bs] * bs + pos % bs)
     batch.query_lens.append(1)
     batch.seq_lens.append(pos + 1)
-    batch.block_tables.append(blocks[:pos // bs + 1])
+    batch.block_rows.append((request, pos // bs + 1))
 
 
 def _add_chunk(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
@@ -93,7 +97,7 @@ def _add_chunk(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
         pos = stop
     batch.query_lens.append(item.num_tokens)
     batch.seq_lens.append(end)
-    batch.block_tables.append(blocks[: -(-end // bs)])
+    batch.block_rows.append((request, -(-end // bs)))
 
 
 def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -> None:
@@ -107,11 +111,16 @@ def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -
         batch.prompt_targets.extend(request.prompt_token_ids[item.start + 1:end + 1])
 
 
+def block_tables(batch: HostBatch) -> list[list[int]]:
+    """Each item's row of the block table, as a list."""
+    return [request.block_ids[:count] for request, count in batch.block_rows]
+
+
 def batch_tensors(batch: HostBatch, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Token ids, positions and the attention metadata of an eager (not graphed) step."""
-    width = max(len(t) for t in batch.block_tables)
-    table = padded_host_tensor(batch.block_tables, width, torch.int32)
+    width = max(count for _, count in batch.block_rows)
+    table = padded_host_tensor(block_tables(batch), width, torch.int32)
     starts = [0]
     for n in batch.query_lens:
         starts.append(starts[-1] + n)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.step_inputs import HostBatch, host_batch
+from engine.step_inputs import HostBatch, block_tables, host_batch
 
 BS = 4
 
@@ -42,7 +42,7 @@ def by_definition(items: list[ScheduledRequest]) -> HostBatch:
             batch.slots.append(r.block_ids[pos // BS] * BS + pos % BS)
         batch.query_lens.append(it.num_tokens)
         batch.seq_lens.append(it.end)
-        batch.block_tables.append(r.block_ids[:(it.end + BS - 1) // BS])
+        batch.block_rows.append((r, (it.end + BS - 1) // BS))
         if it.samples:
             batch.logits_rows.append(len(batch.token_ids) - 1)
         rows = [first_row + j for j, pos in enumerate(range(it.start, it.end))
@@ -64,3 +64,6 @@ def test_host_batch_matches_its_definition() -> None:
              item(chunk_pending, 0, 8), item(logprobs, 5, 4)]
     assert host_batch(items, BS) == by_definition(items)
     assert host_batch(items, BS).pending == [(1, "b"), (18, "d")]
+    # each row up to the block of its last position, a block held ahead left out
+    assert block_tables(host_batch(items, BS)) == [[7, 2, 9], [4, 11], [20, 3, 21], [30, 31],
+                                                   [40, 41, 42]]
