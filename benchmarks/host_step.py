@@ -3,7 +3,7 @@ CUDA engine's host runs it (decode steps through the decode graphs' static buffe
 scheduling), on CPU.
 
     python -m benchmarks.host_step [--running 128,256] [--deep 1024] [--steps 100] [--passes 3]
-        [--rounds 5] [--against REV] [--json OUT]
+        [--rounds 5] [--kv-cache-gb 4] [--against REV] [--json OUT]
 
 On a GPU, with CUDA graphs, a decode step's forward is one launch; what else the host does in a
 step — schedule, build the batch's lists and tensors, launch the sampling, read the tokens back,
@@ -51,7 +51,7 @@ UNUSED_KERNELS = ("PDSERVE_DISABLE_CPU_KERNEL", "PDSERVE_DISABLE_CPU_PREFILL_KER
                   "PDSERVE_DISABLE_AMX_GEMM")
 
 
-def stubbed_llm(async_scheduling: bool = True) -> Any:
+def stubbed_llm(async_scheduling: bool = True, kv_cache_gb: float = 4.0) -> Any:
     """The default model's offline API on CPU, its forward replaced by one-hot logits and its
     decode steps taking the decode graphs' static-buffer path (uncaptured) as on CUDA."""
     import torch
@@ -61,7 +61,7 @@ def stubbed_llm(async_scheduling: bool = True) -> Any:
     from engine.llm import LLM
 
     llm = LLM(config=EngineConfig(
-        model="default", dtype="bfloat16", device="cpu", cache=CacheConfig(kv_cache_gb=4.0),
+        model="default", dtype="bfloat16", device="cpu", cache=CacheConfig(kv_cache_gb=kv_cache_gb),
         scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192),
         async_scheduling=async_scheduling))
     engine = llm.engine
@@ -135,9 +135,10 @@ def workload_s(llm: Any, run: int) -> float:
     return time.perf_counter() - start
 
 
-def one_round(running: list[int], steps: int, passes: int, deep: int) -> dict[str, Any]:
+def one_round(running: list[int], steps: int, passes: int, deep: int,
+              kv_cache_gb: float) -> dict[str, Any]:
     """Every case once, in one engine (the child's whole work)."""
-    llm = stubbed_llm()
+    llm = stubbed_llm(kv_cache_gb=kv_cache_gb)
     workload_s(llm, run=passes)  # warm-up: the first steps import and allocate
     result: dict[str, Any] = {"decode_ms": {}, "workload_s": []}
     for k, n in enumerate(running):
@@ -174,7 +175,8 @@ def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
                "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", out.name,
                         "--running", args.running, "--steps", str(args.steps),
-                        "--passes", str(args.passes), "--deep", str(args.deep)],
+                        "--passes", str(args.passes), "--deep", str(args.deep),
+                        "--kv-cache-gb", str(args.kv_cache_gb)],
                        cwd=tree, env=env, check=True, timeout=args.timeout)
         return json.loads(Path(out.name).read_text())
 
@@ -223,6 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="one more decode case: the first --running count, this many "
                              "tokens into each output (0: none)")
     parser.add_argument("--passes", type=int, default=3, help="workload passes per round")
+    parser.add_argument("--kv-cache-gb", type=float, default=4.0,
+                        help="the stubbed engine's KV cache (the default model's KV: ~23 KB a "
+                             "token): room for --running requests --deep tokens deep")
     parser.add_argument("--rounds", type=int, default=5, help="child processes per tree")
     parser.add_argument("--against", help="an earlier commit to compare with, side by side")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
@@ -233,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--steps, --passes and --rounds must be >= 1")
     if args.deep < 0:
         parser.error("--deep must be >= 0")
+    if args.kv_cache_gb <= 0:
+        parser.error("--kv-cache-gb must be > 0")
     return args
 
 
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         running = [int(n) for n in args.running.split(",")]
         args.child.write_text(json.dumps(one_round(running, args.steps, args.passes,
-                                                   args.deep)))
+                                                   args.deep, args.kv_cache_gb)))
         return 0
     report = compare(args)
     print(json.dumps({k: report[k] for k in ("median", "this_over_earlier") if k in report},

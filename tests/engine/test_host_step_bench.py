@@ -33,7 +33,8 @@ def test_compares_head_with_itself_and_removes_the_worktree() -> None:
 
     before = worktrees()
     report = compare(parse_args(["--against", "HEAD", "--running", "2", "--steps", "2",
-                                 "--passes", "1", "--rounds", "1", "--deep", "3"]))
+                                 "--passes", "1", "--rounds", "1", "--deep", "3",
+                                 "--kv-cache-gb", "1"]))
     assert set(report["median"]) == {"earlier", "this"}
     for figures in report["median"].values():
         assert figures["decode_ms_2"] > 0 and figures["workload_s"] > 0
@@ -51,3 +52,5 @@ def test_refuses_zero_rounds() -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         parse_args(["--deep", "-1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-gb", "0"])
