@@ -8,27 +8,20 @@ decoding sequence's blocks only grow (one every block_size steps), so, as vLLM's
 batch does, the table is kept: each step carries every sequence's row over from where it sat in
 the step before (one numpy gather) and writes only the block ids added since.
 
-A row is carried over only while it mirrors the same list object: the block manager gives a
-request a new list when it frees its blocks (BlockManager.free), so a preempted request that
-decodes again, on blocks taken afresh, gets its row written whole. Between two calls (eager steps
-in between) rows stay where they were.
+A row is carried over only while it mirrors the same list object (a request's `block_ids`, to
+which ids are only appended): the block manager gives a request a new list when it frees its
+blocks (BlockManager.free), so a preempted request that decodes again, on blocks taken afresh,
+gets its row written whole. Between two calls (eager steps in between) rows stay where they were.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 
-
-class HoldsBlocks(Protocol):
-    """What a row mirrors (a Request): hashed by identity, its block ids only appended to."""
-
-    block_ids: list[int]
-
-
-# (the block list a row mirrors, its row in the current table, how many ids are written)
+# (the block list a row mirrors, its row in the current table, how many ids are written), by
+# the list's id(): the entry holds the list, so no other live list can have that id
 _Row = tuple[list[int], int, int]
 
 
@@ -42,12 +35,12 @@ class DecodeBlockTable:
         self._tables = (np.zeros((max_rows, max_blocks), np.int32),
                         np.zeros((max_rows, max_blocks), np.int32))
         self._current = 0
-        self._rows: dict[HoldsBlocks, _Row] = {}
+        self._rows: dict[int, _Row] = {}
 
-    def update(self, rows: Sequence[tuple[HoldsBlocks, int]]) -> np.ndarray:
-        """This step's table: row i holds rows[i][0].block_ids[:rows[i][1]] (columns past that
-        are stale; attention reads none past a sequence's length). A view [len(rows), widest]
-        that stays valid until the next call."""
+    def update(self, rows: Sequence[tuple[list[int], int]]) -> np.ndarray:
+        """This step's table from (block list, count) pairs: row i holds the first count ids of
+        its list (columns past that are stale; attention reads none past a sequence's length).
+        A view [len(rows), widest] that stays valid until the next call."""
         width = max(count for _, count in rows)
         if width > self.max_blocks:
             raise ValueError(f"a sequence spans {width} blocks, the graphs hold "
@@ -58,16 +51,15 @@ class DecodeBlockTable:
         self._current ^= 1
         table = self._tables[self._current]
         sources, writes, placed = [], [], {}
-        for row, (holder, count) in enumerate(rows):
-            blocks = holder.block_ids
-            known = self._rows.get(holder)
+        for row, (blocks, count) in enumerate(rows):
+            known = self._rows.get(id(blocks))
             source, start = row, 0
             if known is not None and known[0] is blocks and known[2] <= count:
                 source, start = known[1], known[2]
             sources.append(source)
             if count > start:
                 writes.append((row, blocks, start, count))
-            placed[holder] = (blocks, row, count)
+            placed[id(blocks)] = (blocks, row, count)
         table[:len(rows), :width] = previous[sources, :width]
         for row, blocks, start, end in writes:
             table[row, start:end] = blocks[start:end]

@@ -35,7 +35,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.splits import pick_num_splits
-from engine.decode_block_table import DecodeBlockTable, HoldsBlocks
+from engine.decode_block_table import DecodeBlockTable
 from engine.device_tensors import host_tensor
 
 PAD_SLOT = -1  # the KV-write kernels skip negative slots
@@ -66,8 +66,9 @@ class DecodeRows:
     positions: list[int]
     slots: list[int]
     seq_lens: list[int]
-    # each sequence's request and how many of its blocks reach its last position
-    block_rows: list[tuple[HoldsBlocks, int]]
+    # each sequence's block list (its request's own) and how many of them reach its last
+    # position
+    block_rows: list[tuple[list[int], int]]
 
     def padded(self, bucket: int) -> DecodeRows:
         pad = bucket - len(self.token_ids)

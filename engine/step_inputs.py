@@ -14,7 +14,6 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.device_tensors import moved, padded_host_tensor, to_device
-from engine.request import Request
 from engine.scheduler import ScheduledRequest
 
 
@@ -27,10 +26,11 @@ class HostBatch:
     slots: list[int] = field(default_factory=list)
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    # Each item's request and how many of its blocks the step reads: its row of the block
-    # table is request.block_ids[:count], sliced only where a tensor is built from it (decode
-    # graphs keep theirs between steps: engine.decode_block_table)
-    block_rows: list[tuple[Request, int]] = field(default_factory=list)
+    # Each item's block list (its request's own `block_ids`, not a copy) and how many of its
+    # blocks the step reads: its row of the block table is blocks[:count], sliced only where a
+    # tensor is built from it (decode graphs keep theirs between steps:
+    # engine.decode_block_table). Pickled whole for tensor-parallel ranks.
+    block_rows: list[tuple[list[int], int]] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)
     # (row in token_ids, request id) of tokens not read from the device yet
     pending: list[tuple[int, str]] = field(default_factory=list)
@@ -75,7 +75,7 @@ def _add_decode(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
     batch.slots.append(blocks[pos // bs] * bs + pos % bs)
     batch.query_lens.append(1)
     batch.seq_lens.append(pos + 1)
-    batch.block_rows.append((request, pos // bs + 1))
+    batch.block_rows.append((blocks, pos // bs + 1))
 
 
 def _add_chunk(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
@@ -97,7 +97,7 @@ def _add_chunk(batch: HostBatch, item: ScheduledRequest, bs: int) -> None:
         pos = stop
     batch.query_lens.append(item.num_tokens)
     batch.seq_lens.append(end)
-    batch.block_rows.append((request, -(-end // bs)))
+    batch.block_rows.append((blocks, -(-end // bs)))
 
 
 def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -> None:
@@ -113,7 +113,7 @@ def _add_prompt_rows(batch: HostBatch, item: ScheduledRequest, first_row: int) -
 
 def block_tables(batch: HostBatch) -> list[list[int]]:
     """Each item's row of the block table, as a list."""
-    return [request.block_ids[:count] for request, count in batch.block_rows]
+    return [blocks[:count] for blocks, count in batch.block_rows]
 
 
 def batch_tensors(batch: HostBatch, device: torch.device

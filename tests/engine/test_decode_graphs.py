@@ -36,16 +36,11 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
         capture_sizes(0)
 
 
-class Holder:
-    def __init__(self, block_ids: list[int]):
-        self.block_ids = block_ids
-
-
 def rows(n: int, seq_len: int) -> DecodeRows:
     tables = [[10 * i + j for j in range(-(-seq_len // 4))] for i in range(n)]
     return DecodeRows(token_ids=[100 + i for i in range(n)], positions=[seq_len - 1] * n,
                       slots=[t[-1] * 4 + (seq_len - 1) % 4 for t in tables],
-                      seq_lens=[seq_len] * n, block_rows=[(Holder(t), len(t)) for t in tables])
+                      seq_lens=[seq_len] * n, block_rows=[(t, len(t)) for t in tables])
 
 
 def test_a_smaller_step_in_the_same_bucket_leaves_padding_not_stale_rows():

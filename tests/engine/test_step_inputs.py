@@ -4,6 +4,8 @@ blocks, a chunk whose last token is pending, and prompt-logprob rows."""
 
 from __future__ import annotations
 
+import pickle
+
 from engine.request import Request, SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import HostBatch, block_tables, host_batch
@@ -19,6 +21,14 @@ def request(name: str, prompt: int, output: int, pending: int, blocks: list[int]
     r.num_pending = pending
     r.block_ids = blocks
     return r
+
+
+class Unpicklable:
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def __reduce__(self) -> tuple:
+        raise TypeError("cannot pickle this (as tokenizers' DecodeStream)")
 
 
 def item(r: Request, start: int, num: int) -> ScheduledRequest:
@@ -42,7 +52,7 @@ def by_definition(items: list[ScheduledRequest]) -> HostBatch:
             batch.slots.append(r.block_ids[pos // BS] * BS + pos % BS)
         batch.query_lens.append(it.num_tokens)
         batch.seq_lens.append(it.end)
-        batch.block_rows.append((r, (it.end + BS - 1) // BS))
+        batch.block_rows.append((r.block_ids, (it.end + BS - 1) // BS))
         if it.samples:
             batch.logits_rows.append(len(batch.token_ids) - 1)
         rows = [first_row + j for j, pos in enumerate(range(it.start, it.end))
@@ -65,5 +75,11 @@ def test_host_batch_matches_its_definition() -> None:
     assert host_batch(items, BS) == by_definition(items)
     assert host_batch(items, BS).pending == [(1, "b"), (18, "d")]
     # each row up to the block of its last position, a block held ahead left out
-    assert block_tables(host_batch(items, BS)) == [[7, 2, 9], [4, 11], [20, 3, 21], [30, 31],
-                                                   [40, 41, 42]]
+    batch = host_batch(items, BS)
+    assert block_tables(batch) == [[7, 2, 9], [4, 11], [20, 3, 21], [30, 31], [40, 41, 42]]
+    # the rows hold the requests' own lists, not the requests: tensor-parallel ranks get the
+    # batch pickled, and a request's detokenizer does not pickle
+    assert batch.block_rows[0][0] is decode_known.block_ids
+    for it in items:
+        it.request.text_stream = Unpicklable()
+    assert block_tables(pickle.loads(pickle.dumps(batch))) == block_tables(batch)
