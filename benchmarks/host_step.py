@@ -17,7 +17,7 @@ At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host 
 - workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
   offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass);
 - gc: ms of a full collection of the child's heap after those, as it is and frozen
-  (`gc.freeze()`, as serving processes do: common.gc_heap).
+  (`gc.freeze()`, as serving processes do: engine.gc_heap).
 
 The stub's logits are one-hot rows over the first 1,024 token ids (a different token per row),
 so the sampler, the detokenizer and the stop checks see ordinary tokens. Timings include the
@@ -149,7 +149,7 @@ def one_round(running: list[int], steps: int, passes: int, deep: int,
     for p in range(passes):
         result["workload_s"].append(workload_s(llm, run=p))
     result["gc_full_ms"] = full_collection_ms()
-    gc.freeze()  # as a serving process does once it serves (common.gc_heap)
+    gc.freeze()  # as a serving process does once it serves (engine.gc_heap)
     result["gc_full_ms_frozen"] = full_collection_ms()
     gc.unfreeze()
     return result

@@ -60,7 +60,7 @@ class RouterActor:
     def __init__(self, host: str, port: int, model: str, max_running: int, max_queued: int,
                  http_port: int = 8000, credentials: Credentials = NO_CREDENTIALS,
                  internal_port: int = 50052):
-        from common.gc_heap import freeze_startup_heap
+        from engine.gc_heap import freeze_startup_heap
         from router.server import Router, RouterOptions
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -81,7 +81,7 @@ class RouterActor:
 
     def stop(self) -> bool:
         """Drain (in-flight streams finish within the grace period), then stop serving."""
-        from common.gc_heap import thaw_heap
+        from engine.gc_heap import thaw_heap
 
         drained = self.router.drain()
         self.router.stop(1.0)

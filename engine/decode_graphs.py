@@ -37,6 +37,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.splits import pick_num_splits
 from engine.decode_block_table import DecodeBlockTable
 from engine.device_tensors import host_tensor
+from engine.gc_heap import no_collection
 
 PAD_SLOT = -1  # the KV-write kernels skip negative slots
 
@@ -170,14 +171,15 @@ class DecodeGraphs:
         if not self.capture:
             return
         pool = None
-        for bucket in reversed(self.sizes):
-            self._run_bucket(bucket)  # compiles kernels and sets up cuBLAS outside the capture
-            torch.cuda.synchronize(self.inputs.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[bucket] = self._run_bucket(bucket)
-            pool = graph.pool()
-            self._graphs[bucket] = graph
+        with no_collection():  # engine.gc_heap: a collection mid-capture can break it
+            for bucket in reversed(self.sizes):
+                self._run_bucket(bucket)  # compiles kernels, sets up cuBLAS outside the capture
+                torch.cuda.synchronize(self.inputs.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[bucket] = self._run_bucket(bucket)
+                pool = graph.pool()
+                self._graphs[bucket] = graph
         torch.cuda.synchronize(self.inputs.device)
 
     def prepare(self, rows: DecodeRows, bucket: int) -> None:

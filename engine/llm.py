@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestOutput
+from engine.gc_heap import heap_frozen_while
 from engine.request import OutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -84,10 +85,11 @@ class LLM:
             del ids[:]
             raise
         try:
-            while engine.has_unfinished_requests():
-                outputs = engine.step()
-                if outputs:
-                    yield outputs
+            with heap_frozen_while():  # no full collection walks the engine's heap (gc_heap)
+                while engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if outputs:
+                        yield outputs
         finally:
             for request_id in ids:  # a consumer that stops early must not strand blocks
                 engine.abort(request_id)

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.gc_heap import freeze_startup_heap, thaw_heap
 from common.grpc_server import NO_DEADLINE_S, Server, start_server
 from engine.config import ModelConfig
+from engine.gc_heap import freeze_startup_heap, thaw_heap
 from engine.prepare import default_model_dir, is_prepared
 from engine.tokenizer import Tokenizer
 from pdserve_proto import pdserve_pb2 as pb

@@ -11,11 +11,11 @@ from typing import Protocol
 
 import grpc
 
-from common.gc_heap import freeze_startup_heap, thaw_heap
 from common.grpc_server import Server, start_server
 from common.logs import configure_logging
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
+from engine.gc_heap import freeze_startup_heap, thaw_heap
 from engine.omp_threads import build_on_passing_thread, use_one_torch_thread
 from engine.tp_ranks import RankLauncher
 from kv_transfer.connectors import exports_cache
@@ -153,7 +153,7 @@ class WorkerProcess:
             metrics_port = role.metrics.serve(options.host, options.metrics_port)
             self.metrics_address = f"{options.public_host}:{metrics_port}"
             # Before the router knows this worker: no request is in flight yet, and the process
-            # serves with this engine until it exits (common.gc_heap)
+            # serves with this engine until it exits (engine.gc_heap)
             freeze_startup_heap()
             self.link = RouterLink(options.router, registration(
                 options, role, self.address, self.metrics_address, model_name),
