@@ -15,7 +15,8 @@ At the 1B shape on an H200 the GPU was 68-71% busy with every path on: the host 
   with the first count running `--deep` tokens into their outputs; the requests' params are
   those the tree's decode worker runs (delta outputs, no text without stop strings);
 - workload: seconds of a pass over `benchmarks.gpu_engine`'s workload (256 requests of
-  offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass);
+  offline_mixed, 71,208 prompt and 18,688 output tokens, fresh prompts each pass), median and
+  mean, and the ms the cyclic collector ran during a pass (mean; its full collections, too);
 - gc: ms of a full collection of the child's heap after those, as it is and frozen
   (`gc.freeze()`, as serving processes do: engine.gc_heap).
 
@@ -25,7 +26,8 @@ stub's own work (a view of a preallocated tensor, the argmax over 1,024 columns)
 
 `--against REV` checks REV out into a temporary worktree; child processes then take turns, the
 earlier tree and this one, each running one round of every case, so that the machine's drift
-hits both alike. Reported: each tree's median, and this / earlier (below 1: less host time).
+hits both alike. Reported: each tree's medians (the workload's means too), and this / earlier
+(below 1: less host time).
 """
 
 from __future__ import annotations
@@ -146,13 +148,39 @@ def one_round(running: list[int], steps: int, passes: int, deep: int,
     if deep:
         result["decode_ms"][f"{running[0]}_at_{deep}"] = decode_ms(
             llm.engine, running[0], steps, 28_000 + 512 * len(running), depth=deep)
+    result["workload_gc_ms"], result["workload_full_collections"] = [], []
     for p in range(passes):
-        result["workload_s"].append(workload_s(llm, run=p))
+        with CollectorClock() as clock:
+            result["workload_s"].append(workload_s(llm, run=p))
+        result["workload_gc_ms"].append(clock.ms)
+        result["workload_full_collections"].append(clock.full)
     result["gc_full_ms"] = full_collection_ms()
     gc.freeze()  # as a serving process does once it serves (engine.gc_heap)
     result["gc_full_ms_frozen"] = full_collection_ms()
     gc.unfreeze()
     return result
+
+
+class CollectorClock:
+    """Time the cyclic collector ran, and its full collections, while the block ran (its pauses
+    stop the step loop: a median pass may see none, the pass that meets one loses it all)."""
+
+    def __init__(self) -> None:
+        self.ms, self.full, self._start = 0.0, 0, 0.0
+
+    def __enter__(self) -> CollectorClock:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.ms += (time.perf_counter() - self._start) * 1e3
+        self.full += info["generation"] == 2
 
 
 def full_collection_ms() -> float:
@@ -186,6 +214,9 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, float]:
     summary = {f"decode_ms_{n}": statistics.median(r["decode_ms"][n] for r in rounds)
                for n in rounds[0]["decode_ms"]}
     summary["workload_s"] = statistics.median(s for r in rounds for s in r["workload_s"])
+    for key in ("workload_s", "workload_gc_ms", "workload_full_collections"):
+        if key in rounds[0]:  # the mean: where the collector's pauses show
+            summary[f"{key}_mean"] = statistics.mean(v for r in rounds for v in r[key])
     for key in ("gc_full_ms", "gc_full_ms_frozen"):
         summary[key] = statistics.median(r[key] for r in rounds)
     return summary
@@ -213,7 +244,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "median": {name: summarize(r) for name, r in rounds.items()}}
     if args.against:
         report["this_over_earlier"] = {key: report["median"]["this"][key] / value
-                                       for key, value in report["median"]["earlier"].items()}
+                                       for key, value in report["median"]["earlier"].items()
+                                       if value}
     return report
 
 

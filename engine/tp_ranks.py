@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.gc_heap import freeze_startup_heap, thaw_heap
 from engine.kv_memory import KVBuffer, map_kv_buffer
 from engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, ShardPlan, TPGroup
 
@@ -315,7 +316,13 @@ def rank_main(spec: RankSpec, rank: int, address: str, authkey: bytes,
     conn.send("ready")
     if shard.kv.fd is not None:  # rank 0 maps our cache (its transports move our heads)
         send_handle(conn, shard.kv.fd, 0)
-    serve_steps(shard, rank, conn, parent)
+    # This process (or Ray actor) runs this rank's steps until it ends, and a full collection
+    # here would stall every rank at the next collective (engine.gc_heap).
+    freeze_startup_heap()
+    try:
+        serve_steps(shard, rank, conn, parent)
+    finally:
+        thaw_heap()
 
 
 def serve_steps(shard: RankShard, rank: int, conn: Connection, parent: int | None) -> None:

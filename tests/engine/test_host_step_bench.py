@@ -3,11 +3,20 @@ against a commit runs both trees and removes its worktree."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 
 import pytest
 
-from benchmarks.host_step import REPO, STUB_VOCAB, compare, decode_ms, parse_args, stubbed_llm
+from benchmarks.host_step import (
+    REPO,
+    STUB_VOCAB,
+    CollectorClock,
+    compare,
+    decode_ms,
+    parse_args,
+    stubbed_llm,
+)
 from engine.request import SamplingParams
 
 
@@ -40,10 +49,22 @@ def test_compares_head_with_itself_and_removes_the_worktree() -> None:
         assert figures["decode_ms_2"] > 0 and figures["workload_s"] > 0
         assert figures["decode_ms_2_at_3"] > 0
         assert figures["gc_full_ms"] > figures["gc_full_ms_frozen"] >= 0
+        assert figures["workload_s_mean"] > 0
+        assert figures["workload_gc_ms_mean"] >= 0
+        assert figures["workload_full_collections_mean"] >= 0
     ratio = report["this_over_earlier"]["workload_s"]
     assert ratio == report["median"]["this"]["workload_s"] / \
         report["median"]["earlier"]["workload_s"]
     assert worktrees() == before
+
+
+def test_the_collector_clock_times_collections_inside_its_block_only() -> None:
+    with CollectorClock() as clock:
+        gc.collect()
+    assert clock.full == 1 and clock.ms > 0
+    seen = clock.ms
+    gc.collect()
+    assert clock.full == 1 and clock.ms == seen
 
 
 def test_refuses_zero_rounds() -> None:
