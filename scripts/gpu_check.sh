@@ -56,6 +56,9 @@ LOG="$OUTDIR/gpu_check.log"
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 PDSERVE_CACHE_DIR="${PDSERVE_CACHE_DIR:-/tmp/pdserve-cache}"
+# The CPU reference engines' sampler takes torch's argmax instead of building the native one
+# (the same first index of the maximum, so the same tokens): a build is device time spent.
+export PDSERVE_DISABLE_NATIVE_ARGMAX="${PDSERVE_DISABLE_NATIVE_ARGMAX:-1}"
 TOKENIZER="${PDSERVE_TOKENIZER:-.gpu/tokenizer}"
 say() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$LOG"; }
 

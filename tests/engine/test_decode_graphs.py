@@ -75,8 +75,11 @@ def engines(model_dir, graphs_capture: bool, **config: object) -> dict[str, LLME
     config.setdefault("cache", CacheConfig(kv_cache_gb=0.25))
     made = {}
     for name in ("eager", "graphs"):
+        # Every speed path off, as on CPU: on CUDA each defaults to on, and the eager engine
+        # would replay graphs of its own.
         engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", device=DEVICE,
-                                        attention_backend="triton", **config))
+                                        attention_backend="triton", cuda_graphs=False,
+                                        async_scheduling=False, fused_kernels=False, **config))
         if name == "graphs":
             engine.runner.enable_decode_graphs(engine.config.scheduler.max_num_seqs,
                                                engine.max_model_len, capture=graphs_capture,
