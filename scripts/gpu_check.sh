@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [OUTDIR] [--stage STAGES]
 #
-# STAGES: all, tests (= tests-engine,tests-cluster), or a comma-separated list of those below,
+# STAGES: all, tests (= tests-cluster,tests-engine), or a comma-separated list of those below,
 # run in the order given (so one call can put what matters most first).
 #
 #   tests-engine   pytest -m gpu, in-process engines: CUDA vs CPU greedy identity with each
@@ -41,10 +41,10 @@ while [ $# -gt 0 ]; do
     *) OUTDIR=$1; shift ;;
   esac
 done
-KNOWN="tests-engine tests-cluster kernels kv moe engine engine-8b"
+KNOWN="tests-cluster tests-engine kernels kv moe engine engine-8b"
 case "$STAGE" in
   all) STAGES="$KNOWN" ;;
-  tests) STAGES="tests-engine tests-cluster" ;;
+  tests) STAGES="tests-cluster tests-engine" ;;
   *) STAGES=${STAGE//,/ } ;;
 esac
 for name in $STAGES; do
