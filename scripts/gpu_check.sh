@@ -103,7 +103,7 @@ if [[ " $STAGES " == *" tests-engine "* ]]; then
   say "building the CPU reference's native kernels in the background"
   nice -n 10 "$PY" -m engine build-kernels >> "$LOG" 2>&1 &
   PREBUILD=$!
-  trap '[ -n "$PREBUILD" ] && kill "$PREBUILD" 2>/dev/null' EXIT  # unwinds: the lock is freed
+  trap 'kill "$PREBUILD" 2>/dev/null || true' EXIT  # it unwinds on SIGTERM: its lock is freed
 fi
 
 run_stage() {  # name, command...
