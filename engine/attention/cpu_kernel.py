@@ -47,6 +47,12 @@ def build_prefill_kernel(extra_cflags: tuple[str, ...] = ()) -> ModuleType:
     return build_native(PREFILL_PREFIX, PREFILL_SOURCE, (*CFLAGS, *extra_cflags))
 
 
+def prefill_kernel_applies() -> bool:
+    """Whether the prefill kernel has a path for this CPU (AVX-512, or AVX2 with FMA)."""
+    flags = set(cpu_flags().split())
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
+
+
 @functools.cache
 def load_prefill_kernel() -> ModuleType | None:
     """The compiled prefill kernel where this machine runs it (AVX-512, or AVX2 with FMA; its
@@ -54,7 +60,6 @@ def load_prefill_kernel() -> ModuleType | None:
     tiles), else None: SDPA's flash kernel attends prompts instead."""
     if os.environ.get(DISABLE_ENV) or os.environ.get(PREFILL_DISABLE_ENV):
         return None
-    flags = set(cpu_flags().split())
-    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+    if not prefill_kernel_applies():
         return None  # the kernel has no path for this CPU: nothing to build
     return try_build_native(PREFILL_PREFIX, PREFILL_SOURCE, CFLAGS, "native CPU prefill attention")
