@@ -52,14 +52,15 @@ class DecodeBlockTable:
         table = self._tables[self._current]
         sources, writes, placed = [], [], {}
         for row, (blocks, count) in enumerate(rows):
-            known = self._rows.get(id(blocks))
+            key = id(blocks)
+            known = self._rows.get(key)
             source, start = row, 0
             if known is not None and known[0] is blocks and known[2] <= count:
                 source, start = known[1], known[2]
             sources.append(source)
             if count > start:
                 writes.append((row, blocks, start, count))
-            placed[id(blocks)] = (blocks, row, count)
+            placed[key] = (blocks, row, count)
         table[:len(rows), :width] = previous[sources, :width]
         for row, blocks, start, end in writes:
             table[row, start:end] = blocks[start:end]
