@@ -21,7 +21,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import DEFAULT_WORKLOAD, commit_tree, head_commit, write_json
+from benchmarks.common import (
+    DEFAULT_WORKLOAD,
+    commit_tree,
+    head_commit,
+    tree_env,
+    write_json,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +36,8 @@ def _run_child(tree: Path, dtype: str, workload: str, timeout: float) -> dict[st
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         subprocess.run([sys.executable, "-m", "benchmarks.child", "ours", dtype,
                         "--workload", workload, "--runs", "1", "--result", result.name],
-                       cwd=tree, check=True, timeout=timeout, stdout=subprocess.DEVNULL)
+                       cwd=tree, env=tree_env(tree), check=True, timeout=timeout,
+                       stdout=subprocess.DEVNULL)
         data = json.loads(Path(result.name).read_text())
     if "error" in data:
         raise RuntimeError(f"ours at {tree} failed: {data['error']}")

@@ -196,11 +196,13 @@ def full_collection_ms() -> float:
 
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round in a fresh process that imports the engine from `tree`."""
+    from benchmarks.common import tree_env  # here: see compare
+
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         # The forward is stubbed: the model's native CPU kernels never run, and a worktree
         # would build them afresh (a minute each) for nothing.
-        env = {**os.environ, **{name: "1" for name in UNUSED_KERNELS},
-               "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"}
+        env = tree_env(tree, {**os.environ, **{name: "1" for name in UNUSED_KERNELS},
+                              "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"})
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", out.name,
                         "--running", args.running, "--steps", str(args.steps),
                         "--passes", str(args.passes), "--deep", str(args.deep),

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import commit_tree, write_json
+from benchmarks.common import commit_tree, tree_env, write_json
 from benchmarks.kv_transfer import cpu_model
 from benchmarks.served_thread_cpu import API_NAMES
 
@@ -37,7 +37,8 @@ def _one_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         subprocess.run([sys.executable, "-m", "benchmarks.served_thread_cpu",
                         "--runs", str(args.runs), "--concurrency", str(args.concurrency),
                         "--dtype", args.dtype, "--threads", str(args.threads), *api,
-                        "--json", out.name], cwd=tree, check=True, timeout=args.timeout,
+                        "--json", out.name], cwd=tree, env=tree_env(tree), check=True,
+                       timeout=args.timeout,
                        stdout=subprocess.DEVNULL)
         return json.loads(Path(out.name).read_text())
 

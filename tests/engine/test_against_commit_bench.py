@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.against_commit import REPO, compare, main
-from engine.attention.cpu_kernel import DISABLE_ENV
-from engine.models.cpu_elementwise import DISABLE_ENV as ELEMENTWISE_DISABLE_ENV
+from benchmarks.common import tree_env
+from engine import row_argmax
+from engine.attention import cpu_kernel
+from engine.models import amx_gemm, cpu_elementwise, cpu_small_gemm
+
+# Every native CPU kernel's switch: the fresh worktree would build each once (a minute or so on
+# 2 cores), which is not what is tested.
+KERNEL_SWITCHES = (cpu_kernel.DISABLE_ENV, cpu_kernel.PREFILL_DISABLE_ENV, amx_gemm.DISABLE_ENV,
+                   cpu_elementwise.DISABLE_ENV, cpu_small_gemm.DISABLE_ENV,
+                   row_argmax.DISABLE_ENV)
 
 
 def _worktrees() -> str:
@@ -32,11 +40,8 @@ def test_compares_head_with_itself_and_removes_the_worktree(tiny_workload: str,
                                                            monkeypatch: pytest.MonkeyPatch):
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    # The fresh worktree would JIT-build the native CPU kernels again (~1 min each, twice: the
-    # build directory is keyed by name, and a source at another path rebuilds it for each tree in
-    # turn): not what is tested.
-    monkeypatch.setenv(DISABLE_ENV, "1")
-    monkeypatch.setenv(ELEMENTWISE_DISABLE_ENV, "1")
+    for switch in KERNEL_SWITCHES:
+        monkeypatch.setenv(switch, "1")
     before = _worktrees()
     report = compare("HEAD", 1, "float32", tiny_workload, timeout=600)
     assert len(report["tok_s"]["earlier"]) == len(report["tok_s"]["this"]) == 1
@@ -49,3 +54,16 @@ def test_refuses_zero_runs():
     with pytest.raises(SystemExit) as exc:
         main(["--commit", "HEAD", "--runs", "0"])
     assert exc.value.code == 2
+
+
+def test_an_earlier_tree_builds_its_kernels_beside_it(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch):
+    """torch keys a kernel's build folder by name: two trees sharing one would rebuild it in
+    turn. The earlier tree's folder sits beside it (removed with it); this checkout's is the
+    usual one."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/usual")
+    earlier = tmp_path / "tree"
+    assert tree_env(earlier)["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
+    assert tree_env(REPO)["TORCH_EXTENSIONS_DIR"] == "/usual"
+    assert tree_env(earlier, {"A": "1"}) == {"A": "1", "TORCH_EXTENSIONS_DIR":
+                                            str(tmp_path / "torch_extensions")}
