@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,6 +18,10 @@ from launch.cluster import ClusterSpec, LocalCluster
 from loadtest.workloads import ONLINE_MIXED
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # the engine (torch) is imported only where a reference is computed
+    from engine.engine import RequestOutput
+    from engine.request import SamplingParams
 
 KV_CACHE_GB = 0.25  # per worker: plenty for the tests, small enough for 4 workers on 24 GiB
 MAX_TOKENS = 12
@@ -172,15 +177,26 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.1) -> N
         time.sleep(poll_s)
 
 
-def offline_greedy(prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
-    """The offline engine's greedy tokens (float32, EOS ignored): what the cluster must match.
-    Call it before the cluster starts, so the model is not loaded twice at once."""
+def offline_outputs(prompts: list[list[int]], params: list[SamplingParams]
+                    ) -> list[RequestOutput]:
+    """The offline engine's outputs (float32), prompt i under params[i], all from one engine
+    (each load of the model costs seconds). Call it before the cluster starts, so the model is
+    not loaded twice at once."""
     from engine.llm import LLM
-    from engine.request import SamplingParams
 
-    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm = LLM("default", dtype="float32")
-    outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    outputs = llm.generate(prompts, params)
     del llm
     return outputs
+
+
+def greedy_params(max_tokens: int) -> SamplingParams:
+    from engine.request import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def offline_greedy(prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """The offline engine's greedy tokens (float32, EOS ignored): what the cluster must match."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    return [o.token_ids for o in offline_outputs(prompts, [greedy_params(n) for n in lengths])]

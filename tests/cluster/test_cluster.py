@@ -7,6 +7,8 @@ Greedy output through the cluster must be token-identical to the offline engine.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from common.grpc_server import channel
@@ -15,9 +17,10 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from tests.cluster.cluster_helpers import (
     MAX_TOKENS,
     LoadWatcher,
+    greedy_params,
     greedy_request,
     long_prompt,
-    offline_greedy,
+    offline_outputs,
     router_ca,
     scrape,
     secure_spec,
@@ -27,6 +30,9 @@ from tests.cluster.cluster_helpers import (
     wait_blocks_free,
 )
 from tests.conftest import mixed_prompts
+
+if TYPE_CHECKING:
+    from engine.engine import RequestOutput
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +46,26 @@ def prompts(workload_prompts) -> list[list[int]]:
     return mixed_prompts(workload_prompts, 16) + [long_prompt(), fresh, shares_800]
 
 
+# The prompts (by index; the second cut to 600 tokens) whose logprobs (top 2) are checked.
+LOGPROB_PROMPTS = {6: None, 17: 600}
+
+
 @pytest.fixture(scope="module")
-def reference(prompts) -> list[list[int]]:
-    """The offline engine's greedy tokens, computed before any cluster process starts."""
-    return offline_greedy(prompts, MAX_TOKENS)
+def offline_runs(prompts) -> list[RequestOutput]:
+    """One offline engine's outputs, computed before any cluster process starts: each prompt's
+    greedy tokens, then the prompt logprobs of LOGPROB_PROMPTS."""
+    from engine.request import SamplingParams
+
+    logprobs = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    chosen = [prompts[i][:cut] for i, cut in LOGPROB_PROMPTS.items()]
+    return offline_outputs(prompts + chosen,
+                           [greedy_params(MAX_TOKENS)] * len(prompts) + [logprobs] * len(chosen))
+
+
+@pytest.fixture(scope="module")
+def reference(offline_runs, prompts) -> list[list[int]]:
+    """The offline engine's greedy tokens."""
+    return [out.token_ids for out in offline_runs[:len(prompts)]]
 
 
 # (transport, prefill workers, decode workers, router placement flags, secure mode: a cluster
@@ -166,17 +188,10 @@ def test_a_short_prompt_is_prefilled_where_the_placement_mode_says(cluster, prom
 
 
 @pytest.fixture(scope="module")
-def prompt_logprobs_reference(prompts) -> dict[int, list]:
+def prompt_logprobs_reference(offline_runs, prompts) -> dict[int, list]:
     """The offline engine's prompt logprobs (top 2) for a short prompt and a 600-token one."""
-    from engine.llm import LLM
-    from engine.request import SamplingParams
-
-    llm = LLM("default", dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
-    chosen = {6: prompts[6], 17: prompts[17][:600]}
-    outs = llm.generate(list(chosen.values()), params)
-    del llm
-    return {i: out.prompt_logprobs for i, out in zip(chosen, outs)}
+    chosen = offline_runs[len(prompts):]
+    return {i: out.prompt_logprobs for i, out in zip(LOGPROB_PROMPTS, chosen)}
 
 
 def assert_prompt_logprobs(got: list[pb.TokenLogprob], prompt: list[int], expected: list) -> None:
@@ -191,7 +206,8 @@ def test_prompt_logprobs_from_whichever_worker_computes_the_prompt(cluster, prom
                                                                    prompt_logprobs_reference):
     """Short prompts are prefilled locally where the placement mode allows, long ones remotely;
     either way the prompt's logprobs arrive with the first token, as the offline engine's."""
-    for i, ids in ((6, prompts[6]), (17, prompts[17][:600])):
+    for i, cut in LOGPROB_PROMPTS.items():
+        ids = prompts[i][:cut]
         request = greedy_request(ids, max_tokens=2)
         request.sampling.prompt_logprobs = 2
         with channel(cluster.address, router_ca(cluster)) as ch:

@@ -21,9 +21,10 @@ from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from tests.cluster.cluster_helpers import (
+    greedy_params,
     greedy_request,
     long_prompt,
-    offline_greedy,
+    offline_outputs,
     scrape,
     start_cluster,
     stream_tokens,
@@ -50,14 +51,12 @@ def sampled_request() -> pb.GenerateRequest:
 def reference() -> dict[str, list[int]]:
     """The offline engine's tokens, computed before any cluster process starts."""
     from common.convert import sampling_from_proto
-    from engine.llm import LLM
 
-    long, short, drained = offline_greedy([long_prompt(), SHORT_PROMPT, long_prompt()[7:]],
-                                          [LONG_TOKENS, SHORT_TOKENS, LONG_TOKENS])
-    llm = LLM("default", dtype="float32")
-    sampled = llm.generate([SHORT_PROMPT], sampling_from_proto(sampled_request().sampling))
-    del llm
-    return {"long": long, "short": short, "drained": drained, "sampled": sampled[0].token_ids}
+    outputs = offline_outputs(
+        [long_prompt(), SHORT_PROMPT, long_prompt()[7:], SHORT_PROMPT],
+        [greedy_params(LONG_TOKENS), greedy_params(SHORT_TOKENS), greedy_params(LONG_TOKENS),
+         sampling_from_proto(sampled_request().sampling)])
+    return dict(zip(("long", "short", "drained", "sampled"), (o.token_ids for o in outputs)))
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,9 @@ from common.grpc_server import channel
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 from tests.cluster.cluster_helpers import (
+    greedy_params,
     greedy_request,
-    offline_greedy,
+    offline_outputs,
     scrape,
     start_cluster,
     stream_tokens,
@@ -53,15 +54,13 @@ def sampled_request() -> pb.GenerateRequest:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[int]]:
     from common.convert import sampling_from_proto
-    from engine.llm import LLM
 
-    greedy = offline_greedy([PROMPT, *CROWD], TOKENS)
-    llm = LLM("default", dtype="float32")
     request = sampled_request()
-    sampled = llm.generate([list(request.prompt_token_ids.ids)],
-                           sampling_from_proto(request.sampling))[0].token_ids
-    del llm
-    return {"greedy": greedy[0], "sampled": sampled, "crowd": greedy[1:]}
+    outputs = offline_outputs([PROMPT, *CROWD, list(request.prompt_token_ids.ids)],
+                              [greedy_params(TOKENS)] * (1 + len(CROWD))
+                              + [sampling_from_proto(request.sampling)])
+    tokens = [o.token_ids for o in outputs]
+    return {"greedy": tokens[0], "crowd": tokens[1:-1], "sampled": tokens[-1]}
 
 
 @pytest.fixture(scope="module", params=["shared", "dist"])
