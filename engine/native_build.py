@@ -41,11 +41,15 @@ def cpu_has_amx_bf16() -> bool:
 
 def extension_name(prefix: str, source: Path, cflags: tuple[str, ...]) -> str:
     """The build's name: the source, the headers beside it and the shared ones (it may include
-    them), the CPU's flags and the compiler flags, hashed."""
+    them), the CPU's flags and the compiler flags, hashed, and where the source and headers
+    sit. torch keys a build folder by name alone and rebuilds it when the same source comes
+    from another path: two checkouts on one machine (a clone for CI beside the working one)
+    sharing a name rebuilt every kernel in turn, each time the other had loaded it."""
     folders = (source.parent, SHARED_HEADERS)
     headers = b"".join(h.read_bytes() for f in folders for h in sorted(f.glob("*.h")))
+    where = "\0".join(str(p.resolve()) for p in (source, SHARED_HEADERS)).encode()
     key = source.read_bytes() + headers + cpu_flags().encode() + " ".join(cflags).encode()
-    return f"{prefix}_{hashlib.sha256(key).hexdigest()[:12]}"
+    return f"{prefix}_{hashlib.sha256(key + where).hexdigest()[:12]}"
 
 
 def wait_for_build_lock(name: str, poll_s: float = 0.5) -> bool:
