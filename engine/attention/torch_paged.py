@@ -26,7 +26,6 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.cpu_kernel import load_cpu_kernel, load_prefill_kernel
 from engine.attention.interface import write_kv_cache
@@ -238,6 +237,10 @@ def _attend_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     if window is None and lq == seq_len:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **gqa)
     elif window is None and q.device.type != "cpu":
+        # Imported here: the module imports torch._dynamo (~1.5 s), which a CPU engine never
+        # needs, and every worker and engine start would pay it.
+        from torch.nn.attention.bias import causal_lower_right
+
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, seq_len),
                                            scale=scale, **gqa)
     else:
