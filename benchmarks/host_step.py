@@ -48,9 +48,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 STUB_VOCAB = 1024
 PROMPT_TOKENS = 300
-UNUSED_KERNELS = ("PDSERVE_DISABLE_CPU_KERNEL", "PDSERVE_DISABLE_CPU_PREFILL_KERNEL",
-                  "PDSERVE_DISABLE_CPU_SMALL_GEMM", "PDSERVE_DISABLE_CPU_ELEMENTWISE",
-                  "PDSERVE_DISABLE_AMX_GEMM")
 
 
 def stubbed_llm(async_scheduling: bool = True, kv_cache_gb: float = 4.0) -> Any:
@@ -197,11 +194,12 @@ def full_collection_ms() -> float:
 def run_child(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round in a fresh process that imports the engine from `tree`."""
     from benchmarks.common import tree_env  # here: see compare
+    from engine.native_kernels import FORWARD_SWITCHES
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         # The forward is stubbed: the model's native CPU kernels never run, and a worktree
         # would build them afresh (a minute each) for nothing.
-        env = tree_env(tree, {**os.environ, **{name: "1" for name in UNUSED_KERNELS},
+        env = tree_env(tree, {**os.environ, **{name: "1" for name in FORWARD_SWITCHES},
                               "PYTHONPATH": f"{tree}{os.pathsep}{REPO}"})
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", out.name,
                         "--running", args.running, "--steps", str(args.steps),

@@ -119,30 +119,12 @@ def run_generate(args: argparse.Namespace) -> int:
 def build_kernels() -> int:
     """Compile (or find cached) every native CPU kernel a CPU engine loads on this machine, so
     that no engine start compiles one; 1 where one that applies here is unavailable."""
-    from engine.attention.cpu_kernel import (
-        load_cpu_kernel,
-        load_prefill_kernel,
-        prefill_kernel_applies,
-    )
-    from engine.models.amx_gemm import load_amx_gemm
-    from engine.models.cpu_elementwise import load_cpu_elementwise
-    from engine.models.cpu_small_gemm import load_cpu_small_gemm, measured_machine
-    from engine.native_build import cpu_flags, cpu_has_amx_bf16
-    from engine.row_argmax import load_native_argmax
+    from engine.native_kernels import build_all
 
     # Stopped (a background prebuild whose caller ends), unwind rather than die on the signal:
     # torch then releases its lock on the build directory, which later builds would wait on.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    flags = cpu_flags().split()
-    kernels = {"decode attention": load_cpu_kernel(), "element-wise": load_cpu_elementwise()}
-    if kernels["decode attention"] is not None and prefill_kernel_applies():  # else SDPA
-        kernels["prefill attention"] = load_prefill_kernel()  # attends the prompts
-    if measured_machine():  # elsewhere oneDNN serves every linear: nothing to build
-        kernels["few-row GEMM"] = load_cpu_small_gemm()
-    if cpu_has_amx_bf16():  # bfloat16 steps of few rows on the tiles
-        kernels["AMX GEMM"] = load_amx_gemm()
-    if "avx512f" in flags:  # elsewhere torch's argmax forms serve
-        kernels["row argmax"] = load_native_argmax()
+    kernels = build_all()
     for what, kernel in kernels.items():
         print(kernel.__file__ if kernel else
               f"native CPU {what} kernels unavailable (torch path used)")

@@ -11,15 +11,7 @@ import pytest
 
 from benchmarks.against_commit import REPO, compare, main
 from benchmarks.common import tree_env
-from engine import row_argmax
-from engine.attention import cpu_kernel
-from engine.models import amx_gemm, cpu_elementwise, cpu_small_gemm
-
-# Every native CPU kernel's switch: the fresh worktree would build each once (a minute or so on
-# 2 cores), which is not what is tested.
-KERNEL_SWITCHES = (cpu_kernel.DISABLE_ENV, cpu_kernel.PREFILL_DISABLE_ENV, amx_gemm.DISABLE_ENV,
-                   cpu_elementwise.DISABLE_ENV, cpu_small_gemm.DISABLE_ENV,
-                   row_argmax.DISABLE_ENV)
+from engine.native_kernels import ALL_SWITCHES
 
 
 def _worktrees() -> str:
@@ -40,7 +32,9 @@ def test_compares_head_with_itself_and_removes_the_worktree(tiny_workload: str,
                                                            monkeypatch: pytest.MonkeyPatch):
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    for switch in KERNEL_SWITCHES:
+    # The fresh worktree would build each native kernel once (a minute or so on 2 cores),
+    # which is not what is tested.
+    for switch in ALL_SWITCHES:
         monkeypatch.setenv(switch, "1")
     before = _worktrees()
     report = compare("HEAD", 1, "float32", tiny_workload, timeout=600)
