@@ -12,10 +12,13 @@ shutdown.
 Two scopes:
 - `freeze_startup_heap`: a serving process (worker, router) that keeps its engine until it exits,
   once it serves; `thaw_heap` as it stops.
-- `heap_frozen_while`: one offline run (`LLM.generate`), in a process that may build and drop
-  engines. Nothing frozen stays frozen past the run, so an engine dropped later is collected
-  whole (a freeze for the engine's life would keep a dropped engine's cycles, KV cache included,
-  until some other call thawed them).
+- `heap_frozen_while`: one step of an offline run (`LLM.generate`, `LLM.stream`), in a process
+  that may build and drop engines. Nothing frozen stays frozen past the step, so an engine dropped
+  later is collected whole (a freeze for the engine's life would keep a dropped engine's cycles,
+  KV cache included, until some other call thawed them), and neither does a freeze span a
+  stream's `yield`: a stream abandoned inside a reference cycle is then collectable, and its
+  `finally` (which aborts its requests, freeing their blocks) runs. A freeze the application made
+  itself is left as it is: `gc.unfreeze` cannot thaw only part of the frozen heap.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _process_frozen = False  # freeze_startup_heap's, until thaw_heap
 _runs = 0  # heap_frozen_while scopes open
+_run_froze = False  # whether the first of them froze (the heap was not frozen before it)
 
 
 def freeze_startup_heap() -> int:
@@ -61,20 +65,25 @@ def thaw_heap() -> None:
 @contextlib.contextmanager
 def heap_frozen_while() -> Iterator[None]:
     """Freeze what exists now for the length of the block, and thaw it after (no collection
-    first: both are constant-time, so a short call pays nothing). Nested or concurrent blocks
-    thaw with the last; under a process-wide freeze this changes nothing."""
-    global _runs
+    first: both are constant-time, so a short block pays nothing). Nested or concurrent blocks
+    thaw with the last; where the heap was already frozen (a serving process's freeze, or the
+    application's own) this changes nothing."""
+    global _runs, _run_froze
     with _lock:
         _runs += 1
-        if _runs == 1 and not _process_frozen:
-            gc.freeze()
+        if _runs == 1:
+            _run_froze = gc.get_freeze_count() == 0
+            if _run_froze:
+                gc.freeze()
     try:
         yield
     finally:
         with _lock:
             _runs -= 1
-            if _runs == 0 and not _process_frozen:
-                gc.unfreeze()
+            if _runs == 0 and _run_froze:
+                _run_froze = False
+                if not _process_frozen:  # a serving process froze its heap meanwhile
+                    gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -85,11 +85,13 @@ class LLM:
             del ids[:]
             raise
         try:
-            with heap_frozen_while():  # no full collection walks the engine's heap (gc_heap)
-                while engine.has_unfinished_requests():
+            while engine.has_unfinished_requests():
+                # No full collection walks the engine's heap during a step; none is frozen
+                # while the consumer holds the stream (gc_heap).
+                with heap_frozen_while():
                     outputs = engine.step()
-                    if outputs:
-                        yield outputs
+                if outputs:
+                    yield outputs
         finally:
             for request_id in ids:  # a consumer that stops early must not strand blocks
                 engine.abort(request_id)

@@ -1,7 +1,8 @@
 """engine.gc_heap, each case in a process of its own (a freeze is for the whole process): the
 startup heap leaves the collector's view, garbage made afterwards is still collected, and a thaw
 gives the heap back; a run's freeze lasts as long as the run, nested runs thaw with the last,
-and neither undoes a serving process's freeze; no collection runs inside a capture's block."""
+and none undoes a serving process's freeze or the application's own; no collection runs inside
+a capture's block."""
 
 from __future__ import annotations
 
@@ -65,6 +66,20 @@ RUNS = textwrap.dedent("""
     print("ok")
 """)
 
+FOREIGN = textwrap.dedent("""
+    import gc
+    from engine.gc_heap import heap_frozen_while
+
+    app_state = [[i] for i in range(1_000)]
+    gc.freeze()  # the application's own freeze, not engine.gc_heap's
+    frozen = gc.get_freeze_count()
+    with heap_frozen_while():
+        made = [[]]
+        assert any(o is made for o in gc.get_objects())  # no freeze of its own on top
+    assert gc.get_freeze_count() == frozen  # and the application's is left as it was
+    print("ok")
+""")
+
 CAPTURE = textwrap.dedent("""
     import gc
     from engine.gc_heap import no_collection
@@ -92,7 +107,8 @@ CAPTURE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("script", [SCRIPT, RUNS, CAPTURE], ids=["startup", "runs", "capture"])
+@pytest.mark.parametrize("script", [SCRIPT, RUNS, FOREIGN, CAPTURE],
+                         ids=["startup", "runs", "foreign", "capture"])
 def test_in_a_process_of_its_own(script: str) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
