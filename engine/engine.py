@@ -105,7 +105,18 @@ class LLMEngine:
         if params.detokenize:
             request.text_stream = self.tokenizer.text_stream(token_ids,
                                                              params.skip_special_tokens)
+        if params.stop and params.continued_tokens:
+            request.stop_context = self._continued_text(token_ids, params)
         return request
+
+    def _continued_text(self, token_ids: list[int], params: SamplingParams) -> str:
+        """The end of the text of the output a request continues (the prompt's last
+        continued_tokens, detokenized as that request did): a stop string may begin in it
+        and end in this request's output."""
+        split = len(token_ids) - params.continued_tokens
+        stream = self.tokenizer.text_stream(token_ids[:split], params.skip_special_tokens)
+        text = "".join(stream.step(t) for t in token_ids[split:])
+        return text[len(text) - max(len(s) for s in params.stop) + 1:]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

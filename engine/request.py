@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -233,6 +234,26 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+def find_stop_string(text: str, new_len: int, stops: Sequence[str],
+                     context: str = "") -> tuple[int, str] | None:
+    """The first of `stops` (in their order) that the last `new_len` characters of `text` complete,
+    with where it starts in `text`: only those characters and the len(stop) - 1 before them can
+    hold a match not found at an earlier token. `context` is the text just before `text` began
+    (a continued request's earlier output), searched when a match may start in it; a match
+    starting there is at index 0. None where no stop string ends in the new text."""
+    for stop in stops:
+        start = len(text) - new_len - len(stop) + 1
+        if start >= 0 or not context:
+            index = text.find(stop, max(0, start))
+        else:  # the window reaches back into the context
+            back = min(-start, len(context))
+            index = (context[len(context) - back:] + text).find(stop)
+            index = max(0, index - back) if index != -1 else -1
+        if index != -1:
+            return index, stop
+    return None
+
+
 class TextStream(Protocol):
     """Incremental detokenizer attached to a request (see engine.tokenizer)."""
 
@@ -281,6 +302,9 @@ class Request:
     text_stream: TextStream | None = None
     output_text: str = ""
     num_emitted_chars: int = 0
+    # The last characters of the text before this request's output where it continues another
+    # request (params.continued_tokens): a stop string may start there (engine.new_request)
+    stop_context: str = ""
     _block_hashes: list[int] = field(default_factory=list)
     # The prefix-cache keys of the prompt's full blocks, once asked for (BlockManager.prompt_keys)
     prompt_block_keys: list[int] | None = None
@@ -369,15 +393,12 @@ class Request:
         return False
 
     def _truncate_at_stop_string(self, new_len: int) -> bool:
-        text = self.output_text
-        for stop in self.params.stop:
-            # Only the new text and the len(stop) - 1 characters before it can hold a new match.
-            start = max(0, len(text) - new_len - len(stop) + 1)
-            index = text.find(stop, start)
-            if index != -1:
-                self.output_text = text[:index]
-                return self._finish_with(FinishReason.STOP, stop)
-        return False
+        found = find_stop_string(self.output_text, new_len, self.params.stop, self.stop_context)
+        if found is None:
+            return False
+        index, stop = found
+        self.output_text = self.output_text[:index]
+        return self._finish_with(FinishReason.STOP, stop)
 
     def _finish_with(self, reason: FinishReason, stop_reason: int | str | None) -> bool:
         self.finish_reason = reason

@@ -1,18 +1,24 @@
 """Incremental detokenization for one stream: never splits a multi-byte character, and holds
-back the last len(longest stop string) - 1 characters so a stop string is never half-sent."""
+back the last len(longest stop string) - 1 characters so a stop string is never half-sent.
+Stop strings are found as the engine finds them (engine.request.find_stop_string): in each
+token's new text, from the min_tokens-th token on, so the text ends where the workers' did."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.request import find_stop_string
 from engine.tokenizer import Tokenizer
 
 
 class IncrementalText:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str],
+                 min_tokens: int = 0):
         self._stream = tokenizer.text_stream(list(prompt_ids))
         self._stop = tuple(stop)
+        self._min_tokens = min_tokens
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._tokens = 0
         self.text = ""
         self._sent = 0
         self.stopped_at: str | None = None
@@ -22,8 +28,11 @@ class IncrementalText:
         for token_id in token_ids:
             if self.stopped_at is not None:
                 break
-            self.text += self._stream.step(token_id)
-            self._truncate_at_stop()
+            piece = self._stream.step(token_id)
+            self.text += piece
+            self._tokens += 1
+            if piece and self._stop and self._tokens >= self._min_tokens:
+                self._truncate_at_stop(len(piece))
         end = len(self.text) if self.stopped_at is not None else len(self.text) - self._holdback
         return self._take(max(end, self._sent))
 
@@ -31,13 +40,11 @@ class IncrementalText:
         """The stream ended: everything not yet sent (already cut at a stop string)."""
         return self._take(len(self.text))
 
-    def _truncate_at_stop(self) -> None:
-        for stop in self._stop:
-            index = self.text.find(stop, max(0, self._sent - len(stop)))
-            if index != -1:
-                self.text = self.text[:index]
-                self.stopped_at = stop
-                return
+    def _truncate_at_stop(self, new_len: int) -> None:
+        found = find_stop_string(self.text, new_len, self._stop)
+        if found is not None:
+            index, self.stopped_at = found
+            self.text = self.text[:index]
 
     def _take(self, end: int) -> str:
         delta = self.text[self._sent:end]

@@ -168,7 +168,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _stream(self, job: Job, scope: CallScope, router_queue_s: float, record: RequestRecord
                 ) -> Iterator[pb.GenerateResponse | Waiting]:
-        text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop)
+        text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop,
+                               job.params.min_tokens)
         output: list[str] = []  # the text so far, for tool calls
         completion_tokens = 0
         first_token_time = last_token_time = None

@@ -96,6 +96,25 @@ def test_stop_string_truncates_text_and_streamed_deltas_add_up(smol):
     assert streamed == final.text
 
 
+def test_a_stop_string_spanning_a_continuation_ends_the_continued_request(smol):
+    # A request continued on another worker (the router's migration: the prompt extended by
+    # the tokens already streamed, continued_tokens of them) stops where the whole request would
+    # have, for a stop string that began in the output it continues.
+    prompt = smol.tokenizer.encode("The history of the Python programming language")
+    base = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    head = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert base.text.startswith(head.text) and len(head.text) >= 3
+    stop = base.text[len(head.text) - 3:len(head.text) + 2]  # across tokens 8 and 9
+    assert base.text.index(stop) == len(head.text) - 3
+    whole = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=(stop,)))[0]
+    assert whole.finish_reason == "stop" and len(whole.token_ids) > 8
+    continued = SamplingParams(temperature=0, max_tokens=16, stop=(stop,), continued_tokens=8)
+    rest = smol.generate([prompt + head.token_ids], continued)[0]
+    assert rest.finish_reason == "stop" and rest.stop_reason == stop
+    assert head.token_ids + rest.token_ids == whole.token_ids
+    assert rest.text == ""  # the stop string began before this request's output
+
+
 def test_eos_stops_and_ignore_eos_continues(smol):
     messages = [{"role": "user", "content": "Say hello."}]
     ids = smol.tokenizer.encode_chat(messages)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from decode_worker.reservations import LeaseState, ReservationTable
-from engine.request import Request, SamplingParams
+from engine.request import Request, SamplingParams, find_stop_string
 from engine.tokenizer import Tokenizer
 from router.frontdoor.detokenizer import IncrementalText
 
@@ -41,6 +41,31 @@ def test_incremental_text_holds_back_and_cuts_at_a_stop_string(tokenizer):
     assert "thr" not in sent
     assert sent + stream.finish() == "one two "
     assert stream.stopped_at == "three"
+
+
+def test_incremental_text_finds_no_stop_string_before_min_tokens(tokenizer):
+    # As the engine (and vLLM): the first min_tokens tokens' text is never searched, so a stop
+    # string inside it does not end the text; one completed later does.
+    ids = tokenizer.encode("one two one two three", add_special_tokens=False)
+    early = IncrementalText(tokenizer, [1], stop=("two",))
+    assert "".join(early.add([t]) for t in ids) + early.finish() == "one "
+    late = IncrementalText(tokenizer, [1], stop=("two",), min_tokens=3)
+    assert "".join(late.add([t]) for t in ids) + late.finish() == "one two one "
+    never = IncrementalText(tokenizer, [1], stop=("two",), min_tokens=len(ids))
+    assert "".join(never.add([t]) for t in ids) + never.finish() == "one two one two three"
+    assert never.stopped_at is None
+
+
+def test_stop_strings_are_found_in_the_new_text_and_what_it_completes():
+    assert find_stop_string("abc\n\nThe", 3, ("\n\nThe",)) == (3, "\n\nThe")
+    assert find_stop_string("abc\n\nThe end", 4, ("\n\nThe",)) is None  # an earlier token's
+    assert find_stop_string("x stop y", 2, ("y", "stop")) == (7, "y")  # the stops' order
+    # a continued request's text: the stop string began in the output it continues
+    assert find_stop_string("The end", 7, ("\n\nThe",), context="Paris.\n\n") == (0, "\n\nThe")
+    assert find_stop_string("e end", 5, ("The",), context="Th") == (0, "The")
+    assert find_stop_string("ab", 2, ("xab",), context="zzx") == (0, "xab")
+    assert find_stop_string("ab", 2, ("qab",), context="zzx") is None
+    assert find_stop_string("ab cd", 2, ("cd",), context="zzz") == (3, "cd")
 
 
 def _request(rid: str) -> Request:
