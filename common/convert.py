@@ -53,6 +53,9 @@ def sampling_from_proto(options: Any, default_max_tokens: int = DEFAULT_MAX_TOKE
         structured_output=(structured_from_proto(options.structured_output)
                            if options.HasField("structured_output") else None),
         continued_tokens=options.continued_tokens,
+        skip_special_tokens=(options.skip_special_tokens
+                             if options.HasField("skip_special_tokens") else True),
+        include_stop_str_in_output=options.include_stop_str_in_output,
     )
     return dataclasses.replace(params, temperature=0.0) if top_p == 0.0 else params
 
@@ -63,7 +66,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingOptions:
         top_p=params.top_p, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens, frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty, continued_tokens=params.continued_tokens)
+        presence_penalty=params.presence_penalty, continued_tokens=params.continued_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output)
+    if not params.skip_special_tokens:
+        options.skip_special_tokens = False
     if params.repetition_penalty != 1.0:
         options.repetition_penalty = params.repetition_penalty
     if params.seed is not None:

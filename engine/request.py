@@ -86,6 +86,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -154,8 +155,9 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of "
                              f"{', '.join(k.value for k in OutputKind)}, got "
                              f"{self.output_kind!r}") from None
-        if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize must be true or false, got {self.detokenize!r}")
+        for name in ("detokenize", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are found in the text)")
 
@@ -234,23 +236,20 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-def find_stop_string(text: str, new_len: int, stops: Sequence[str],
-                     context: str = "") -> tuple[int, str] | None:
+def find_stop_string(text: str, new_len: int, stops: Sequence[str], context: str = "",
+                     include: bool = False) -> tuple[int, str] | None:
     """The first of `stops` (in their order) that the last `new_len` characters of `text` complete,
-    with where it starts in `text`: only those characters and the len(stop) - 1 before them can
-    hold a match not found at an earlier token. `context` is the text just before `text` began
-    (a continued request's earlier output), searched when a match may start in it; a match
-    starting there is at index 0. None where no stop string ends in the new text."""
+    with where `text` then ends: where the stop string starts, or (`include`) where it ends. Only
+    those characters and the len(stop) - 1 before them can hold a match not found at an earlier
+    token. `context` is the text just before `text` began (a continued request's earlier
+    output), searched when a match may start in it. None where no stop string ends there."""
     for stop in stops:
         start = len(text) - new_len - len(stop) + 1
-        if start >= 0 or not context:
-            index = text.find(stop, max(0, start))
-        else:  # the window reaches back into the context
-            back = min(-start, len(context))
-            index = (context[len(context) - back:] + text).find(stop)
-            index = max(0, index - back) if index != -1 else -1
+        back = min(-start, len(context)) if start < 0 else 0  # reaching into the context
+        index = (context[len(context) - back:] + text if back else text).find(stop, max(0, start))
         if index != -1:
-            return index, stop
+            index -= back
+            return max(0, index + len(stop) if include else index), stop
     return None
 
 
@@ -393,11 +392,13 @@ class Request:
         return False
 
     def _truncate_at_stop_string(self, new_len: int) -> bool:
-        found = find_stop_string(self.output_text, new_len, self.params.stop, self.stop_context)
+        p = self.params
+        found = find_stop_string(self.output_text, new_len, p.stop, self.stop_context,
+                                 p.include_stop_str_in_output)
         if found is None:
             return False
-        index, stop = found
-        self.output_text = self.output_text[:index]
+        end, stop = found
+        self.output_text = self.output_text[:end]
         return self._finish_with(FinishReason.STOP, stop)
 
     def _finish_with(self, reason: FinishReason, stop_reason: int | str | None) -> bool:

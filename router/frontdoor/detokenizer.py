@@ -13,10 +13,12 @@ from engine.tokenizer import Tokenizer
 
 class IncrementalText:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str],
-                 min_tokens: int = 0):
-        self._stream = tokenizer.text_stream(list(prompt_ids))
+                 min_tokens: int = 0, skip_special_tokens: bool = True,
+                 include_stop: bool = False):
+        self._stream = tokenizer.text_stream(list(prompt_ids), skip_special_tokens)
         self._stop = tuple(stop)
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self._tokens = 0
         self.text = ""
@@ -41,10 +43,10 @@ class IncrementalText:
         return self._take(len(self.text))
 
     def _truncate_at_stop(self, new_len: int) -> None:
-        found = find_stop_string(self.text, new_len, self._stop)
+        found = find_stop_string(self.text, new_len, self._stop, include=self._include_stop)
         if found is not None:
-            index, self.stopped_at = found
-            self.text = self.text[:index]
+            end, self.stopped_at = found
+            self.text = self.text[:end]
 
     def _take(self, end: int) -> str:
         delta = self.text[self._sent:end]

@@ -168,8 +168,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _stream(self, job: Job, scope: CallScope, router_queue_s: float, record: RequestRecord
                 ) -> Iterator[pb.GenerateResponse | Waiting]:
-        text = IncrementalText(self.frontend.tokenizer, job.token_ids, job.params.stop,
-                               job.params.min_tokens)
+        p = job.params
+        text = IncrementalText(self.frontend.tokenizer, job.token_ids, p.stop, p.min_tokens,
+                               p.skip_special_tokens, p.include_stop_str_in_output)
         output: list[str] = []  # the text so far, for tool calls
         completion_tokens = 0
         first_token_time = last_token_time = None

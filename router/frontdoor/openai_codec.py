@@ -8,10 +8,12 @@ Fields: model, prompt (text, token ids, or a batch of either), messages (roles s
 user, assistant, tool; text content or text parts), max_tokens / max_completion_tokens,
 temperature (default 1, as OpenAI's), top_p (0: the top token only, i.e. greedy), top_k, seed
 (any int64), stop, stop_token_ids, ignore_eos, logprobs / top_logprobs, presence_penalty,
-frequency_penalty, repetition_penalty, logit_bias, min_tokens, echo (completions: the prompt
+frequency_penalty, repetition_penalty, logit_bias, min_tokens, skip_special_tokens,
+include_stop_str_in_output, echo (completions: the prompt
 before the completion, with its logprobs when logprobs is set), n, stream,
 stream_options.include_usage / continuous_usage_stats, user. Anything the cluster cannot honour
-(echo on chat, best_of, functions, suffix) is refused with 400 naming it. Batches of prompts
+(echo on chat, best_of, functions, suffix, spaces_between_special_tokens false) is refused
+with 400 naming it. Batches of prompts
 and n samples become one request per choice; response_format / structured_outputs / guided_*
 and tool_choice become the request's output constraint (router.frontdoor.tools).
 """
@@ -219,7 +221,10 @@ def _sampling(parsed: CompletionRequest | ChatRequest, logprobs: int | None,
         temperature=1.0 if parsed.temperature is None else parsed.temperature,
         top_k=-1 if parsed.top_k is None else parsed.top_k,
         ignore_eos=bool(parsed.ignore_eos), stop=parsed.stop,
-        stop_token_ids=parsed.stop_token_ids or [])
+        stop_token_ids=parsed.stop_token_ids or [],
+        include_stop_str_in_output=bool(parsed.include_stop_str_in_output))
+    if parsed.skip_special_tokens is not None:
+        options.skip_special_tokens = parsed.skip_special_tokens
     if parsed.top_p is not None:
         options.top_p = parsed.top_p
     maximum = (parsed.max_completion_tokens if isinstance(parsed, ChatRequest)

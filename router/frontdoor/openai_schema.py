@@ -44,7 +44,8 @@ TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields this server cannot honour yet, with the value that means "not used".
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None,
-               "tool_choice": "none", "function_call": None}  # tools: ChatRequest's own fields
+               "tool_choice": "none", "function_call": None,  # tools: ChatRequest's own fields
+               "spaces_between_special_tokens": True}
 
 
 class StreamOptions(BaseModel):
@@ -94,6 +95,10 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # vLLM's extension
+    # vLLM's extensions on the output's text: special tokens left out (default true), and the
+    # stop string that ended it kept (default false)
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # OpenAI's shape: token ids as strings (JSON keys); its size and values are checked with
     # the other sampling limits (router.frontdoor.limits)
     logit_bias: dict[str, float] | None = None

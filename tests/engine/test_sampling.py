@@ -115,6 +115,21 @@ def test_a_stop_string_spanning_a_continuation_ends_the_continued_request(smol):
     assert rest.text == ""  # the stop string began before this request's output
 
 
+def test_the_text_keeps_the_stop_string_or_special_tokens_when_asked(smol):
+    prompt = "The history of the Python programming language"
+    base = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    stop = base.text[20:26]
+    kept = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=(stop,),
+                                                  include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == base.text[: base.text.index(stop) + 6]
+    ids = smol.tokenizer.encode_chat([{"role": "user", "content": "Say hello."}])
+    plain = smol.generate([ids], SamplingParams(temperature=0, max_tokens=60))[0]
+    special = smol.generate([ids], SamplingParams(temperature=0, max_tokens=60,
+                                                  skip_special_tokens=False))[0]
+    assert special.token_ids == plain.token_ids and plain.finish_reason == "stop"
+    assert special.text == plain.text + "<|im_end|>"
+
+
 def test_eos_stops_and_ignore_eos_continues(smol):
     messages = [{"role": "user", "content": "Say hello."}]
     ids = smol.tokenizer.encode_chat(messages)

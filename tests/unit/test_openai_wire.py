@@ -58,6 +58,16 @@ def test_penalties_logit_bias_and_min_tokens_reach_the_grpc_options():
     assert (off.presence_penalty, off.frequency_penalty, off.min_tokens) == (0, 0, 0)
 
 
+def test_vllms_text_options_reach_the_grpc_options():
+    s = parse({"model": MODEL, "prompt": "x", "skip_special_tokens": False,
+               "include_stop_str_in_output": True, "spaces_between_special_tokens": True},
+              False, MODEL).request.sampling
+    assert s.HasField("skip_special_tokens") and not s.skip_special_tokens
+    assert s.include_stop_str_in_output
+    plain = parse({"model": MODEL, "prompt": "x"}, False, MODEL).request.sampling
+    assert not plain.HasField("skip_special_tokens") and not plain.include_stop_str_in_output
+
+
 def test_echo_asks_the_workers_for_prompt_logprobs_only_with_logprobs():
     scored = parse({"model": MODEL, "prompt": [5, 6, 7], "echo": True, "logprobs": 1,
                     "max_tokens": 1}, False, MODEL)
@@ -147,6 +157,10 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options", "only allowed with stream: true"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, "stream", "true or false"),
+    ({"model": MODEL, "prompt": "x", "skip_special_tokens": 1}, "skip_special_tokens",
+     "true or false"),
+    ({"model": MODEL, "prompt": "x", "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens", "not supported"),
 ])
 def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
     error = refused(body)

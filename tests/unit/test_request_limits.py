@@ -90,6 +90,11 @@ def test_logit_processing_travels_to_the_workers_unchanged(frontend):
     assert sampling_from_proto(sampling_to_proto(p)) == p
     plain = frontend.parse(grpc_request(max_tokens=9), 0.0).params
     assert not plain.processes_logits and sampling_from_proto(sampling_to_proto(plain)) == plain
+    text = frontend.parse(grpc_request(max_tokens=9, stop=["x"], skip_special_tokens=False,
+                                       include_stop_str_in_output=True), 0.0).params
+    assert not text.skip_special_tokens and text.include_stop_str_in_output
+    assert sampling_from_proto(sampling_to_proto(text)) == text
+    assert plain.skip_special_tokens and not plain.include_stop_str_in_output
 
 
 def test_an_invalid_json_schema_is_refused_by_the_router_naming_where(frontend):

@@ -66,6 +66,20 @@ def test_stop_strings_are_found_in_the_new_text_and_what_it_completes():
     assert find_stop_string("ab", 2, ("xab",), context="zzx") == (0, "xab")
     assert find_stop_string("ab", 2, ("qab",), context="zzx") is None
     assert find_stop_string("ab cd", 2, ("cd",), context="zzz") == (3, "cd")
+    # include_stop_str_in_output: the text ends where the stop string does
+    assert find_stop_string("x stop y", 2, ("y", "stop"), include=True) == (8, "y")
+    assert find_stop_string("e end", 5, ("The",), context="Th", include=True) == (1, "The")
+
+
+def test_incremental_text_keeps_the_stop_string_or_special_tokens_when_asked(tokenizer):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    kept = IncrementalText(tokenizer, [1], stop=("three",), include_stop=True)
+    assert "".join(kept.add([t]) for t in ids) + kept.finish() == "one two three"
+    end = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert len(end) == 1  # one special token
+    for skip, text in ((True, "one"), (False, "one<|im_end|>")):
+        stream = IncrementalText(tokenizer, [1], stop=(), skip_special_tokens=skip)
+        assert "".join(stream.add([t]) for t in ids[:1] + end) + stream.finish() == text
 
 
 def _request(rid: str) -> Request:
