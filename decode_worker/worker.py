@@ -290,6 +290,10 @@ def _blocks_to_send(engine: LLMEngine, departures: Departures, request_id: str,
     """A parked request's blocks for `descriptor` (after the target's cached ones), checked to
     cover exactly its computed positions, and the request marked as shipping."""
     request = departures.peek(request_id)
+    if request.num_computed_tokens != request.num_known_tokens - 1:
+        raise ValueError(f"transfer: request {request_id}'s KV covers "
+                         f"{request.num_computed_tokens} positions, not the "
+                         f"{request.num_known_tokens - 1} before its last token")
     needed = engine.block_manager.blocks_needed(request.num_computed_tokens)
     cached, fresh = descriptor.num_cached_blocks, len(descriptor.block_ids)
     if cached + fresh != needed:

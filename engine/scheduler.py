@@ -422,6 +422,9 @@ def _unmovable(request: Request) -> str | None:
             or request.num_computed_tokens < request.num_prompt_tokens \
             or not request.output_token_ids:
         return "its prompt is still being computed"
+    if request.num_computed_tokens < request.num_known_tokens - 1:
+        # preempted earlier, it is recomputing its prompt and output: its KV is not whole yet
+        return "its KV is still being recomputed after a preemption"
     if request.params.structured_output is not None:
         return "its output is constrained (structured_output): the constraint cannot move"
     if request.num_released_blocks:

@@ -339,6 +339,27 @@ def test_a_paused_request_is_detached_with_its_kv_whole_and_resumes_unchanged():
     assert s.block_manager.num_free_blocks == 32
 
 
+def test_a_request_recomputing_after_a_preemption_cannot_pause_until_its_kv_is_whole():
+    # Preempted, it recomputes its prompt and its output in chunks: parked in between, it would
+    # move with positions never computed (the target then decoded over missing KV).
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, chunk=4, prefix_caching=False)
+    old, new = make_request("old", prompt(8, 1), 12), make_request("new", prompt(8, 2), 12)
+    s.add(old)
+    s.add(new)
+    while not new.num_preemptions:
+        step(s)
+    s.abort("old")  # room to recompute
+    refused = 0
+    while new.num_computed_tokens < new.num_known_tokens - 1:
+        if new.status is RequestStatus.RUNNING and new.num_computed_tokens >= 8:
+            assert s.pause("new") == "its KV is still being recomputed after a preemption"
+            refused += 1
+        step(s)
+    assert refused and s.pause("new") is None
+    (parked,) = s.take_paused()
+    assert parked.num_computed_tokens == parked.num_tokens - 1
+
+
 def test_a_request_that_finishes_or_is_aborted_while_pausing_is_never_parked():
     s = make_scheduler(num_blocks=32, block_size=4)
     a, b = make_request("a", prompt(6), max_tokens=20), make_request("b", prompt(6, 2))
