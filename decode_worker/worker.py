@@ -6,6 +6,7 @@ the connectors' threads, into reserved blocks only."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -154,7 +155,7 @@ class DecodeWorker:
             self.loop.sinks[request_id] = sink.put
             first = engine.admit_prefilled(request, first_token, logprobs)
             if first.finished:  # the caller already has the first token; only the end is news
-                self.loop.deliver(first)
+                self.loop.deliver(dataclasses.replace(first, new_token_ids=[], new_text=""))
 
         self.loop.call(run, COMMAND_TIMEOUT_S)
 

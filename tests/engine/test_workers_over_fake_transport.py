@@ -191,6 +191,20 @@ def test_a_second_prefill_under_a_running_or_shipping_id_is_refused(tiny_llama_d
         workers.close()
 
 
+def test_a_request_that_ends_at_admission_sends_only_its_end(pair, workload_prompts):
+    # The prefill worker sampled the first token and the caller has it: a decode worker whose
+    # request ends on that token (its own limits: here one token) sends the end, not the token.
+    prompt = workload_prompts[5][:40]
+    descriptor = pair.decode.reserve("e1", prompt, SamplingParams(max_tokens=1), lease_s=60,
+                                     secret=SECRET)
+    first = pair.prefill.prefill(prompt, SamplingParams(max_tokens=8), pair.prefill.transfer(
+        "e1", TRANSPORT, descriptor, SECRET), timeout_s=60)
+    _, outputs = pair.decode.admit("e1", first.first_token, first.logprobs)
+    (end,) = list(outputs)
+    assert end.finished and end.finish_reason == "length" and end.new_token_ids == []
+    pair.wait_all_free()
+
+
 def test_workers_build_text_only_to_find_stop_strings(pair, tiny_llama_dir, workload_prompts):
     prompt = workload_prompts[4][:60]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
