@@ -93,8 +93,17 @@ class TextStream:
 
     def __init__(self, backend: HFTokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_ids[-8:]),
-                                    skip_special_tokens=skip_special_tokens)
+        tail = list(prompt_ids[-8:])
+        # A prompt may end inside a character (a continued request's prompt holds the output
+        # so far, and an output can stop mid-character): seeded with those bytes, the stream
+        # returned the whole seed's text with the token that completes the character. It is
+        # seeded up to the last whole character and steps the rest, as if they were output.
+        whole = len(tail)
+        while whole and backend.decode(tail[:whole], skip_special_tokens).endswith("\ufffd"):
+            whole -= 1
+        self._stream = DecodeStream(ids=tail[:whole], skip_special_tokens=skip_special_tokens)
+        for token_id in tail[whole:]:
+            self.step(token_id)  # the prompt's text: not returned
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._backend, token_id) or ""

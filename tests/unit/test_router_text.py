@@ -34,6 +34,20 @@ def test_incremental_text_never_splits_a_multibyte_character(tokenizer):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_a_stream_seeded_with_a_prompt_that_ends_inside_a_character(tokenizer):
+    # A continued request's prompt holds the output so far, which may stop inside a character:
+    # from any split, the text that follows is what the whole stream gave after it, with no
+    # prompt text returned.
+    prompt = tokenizer.encode("Hello there,", add_special_tokens=False)
+    output = tokenizer.encode(" 日本語 😀 end", add_special_tokens=False)
+    whole = tokenizer.text_stream(prompt)
+    pieces = [whole.step(t) for t in output]
+    assert "".join(pieces) == " 日本語 😀 end"
+    for split in range(len(output)):
+        stream = tokenizer.text_stream(prompt + output[:split])
+        assert [stream.step(t) for t in output[split:]] == pieces[split:], split
+
+
 def test_incremental_text_holds_back_and_cuts_at_a_stop_string(tokenizer):
     ids = tokenizer.encode("one two three four five", add_special_tokens=False)
     stream = IncrementalText(tokenizer, [1], stop=("three",))
