@@ -23,6 +23,15 @@ from router.frontdoor.tools import CLOSE, OPEN, ToolPlan
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
+def _json_string(raw: str) -> str | None:
+    """A JSON string's body (between its quotes) as text; None where it is no valid JSON (a
+    bad escape, a raw control character): such a block is content, not a call."""
+    try:
+        return json.loads(f'"{raw}"')
+    except json.JSONDecodeError:
+        return None
+
+
 @dataclass
 class CallDelta:
     index: int
@@ -52,10 +61,11 @@ class CallStream:
         deltas = []
         if self.start is None:
             head = CALL_HEAD.match(self.text)
-            if head is None:
+            name = None if head is None else _json_string(head.group(1))
+            if name is None:  # not (yet) a call's head
                 return []
             self.start = head.end()
-            deltas.append(CallDelta(self.index, "", json.loads(f'"{head.group(1)}"'), self.id))
+            deltas.append(CallDelta(self.index, "", name, self.id))
         body = self.text[self.start:]
         end = value_end(body)
         if end is None and not body.lstrip().startswith(("{", "[")):

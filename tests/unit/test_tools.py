@@ -121,6 +121,11 @@ def test_auto_streams_content_then_each_call_and_keeps_a_bad_block_as_content():
     content, deltas, _ = stream_all(ToolPlan("auto"), ['<tool_call>{"name": "f", "arguments": {',
                                                        '"a": 1}}'])  # cut short: no close tag
     assert content == "" and calls_of(deltas) == [("f", '{"a": 1}')]
+    for name in ('a\\q', 'a\nb'):  # a bad escape, a raw newline: not JSON, so content
+        block = '<tool_call>{"name": "' + name + '", "arguments": {}}</tool_call>'
+        content, deltas, _ = stream_all(ToolPlan("auto"), [block[:20], block[20:]])
+        assert content == block and deltas == []
+        assert hermes_calls(block) == (block, [])  # as the whole output's reading
 
 
 def test_adjacent_deltas_of_a_call_go_out_as_one():
