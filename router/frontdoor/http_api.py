@@ -432,7 +432,7 @@ async def _json(http: web.Request) -> object:
                             f"{str(exc).splitlines()[-1].strip()}") from None
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's 4,300 digits
         raise wire.ApiError(400, f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise wire.ApiError(400, f"the request body nests JSON deeper than the parser allows "

@@ -14,6 +14,7 @@ import json
 import jsonschema
 
 from engine.request import SamplingParams, StructuredOutput
+from pdserve_proto import pdserve_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
 MAX_TEXT_CHARS = 1_000_000  # a prompt, or a chat's contents together, in characters
@@ -21,6 +22,9 @@ MAX_TEXT_BYTES = 2 * 1024 * 1024  # the same in UTF-8 bytes (binds for wide char
 MAX_CHAT_MESSAGES = 4096
 MAX_PROMPT_TOKEN_IDS = 1_000_000  # a prompt given as token ids (no model has a longer context)
 MAX_STOP_TOKEN_IDS = 4096
+# Stop strings: each output token's text is searched for every one, in the worker's step and in
+# the router's stream (OpenAI allows 4)
+MAX_STOP_STRINGS = 64
 MAX_LOGIT_BIAS_TOKENS = 4096
 MAX_CHOICES = 256  # completions per HTTP request: prompts in a batch x n
 MAX_TOOLS = 128  # functions a chat request may offer
@@ -36,6 +40,19 @@ def check_text(field: str, chars: int, num_bytes: int) -> None:
     if num_bytes > MAX_TEXT_BYTES:
         raise ValueError(f"{field}: {num_bytes} bytes of UTF-8; the limit is {MAX_TEXT_BYTES} "
                          f"({MAX_TEXT_BYTES // (1024 * 1024)} MiB)")
+
+
+def check_chat_size(chat: pb.ChatMessages) -> None:
+    """A chat's message count and its texts' size (contents, names, tool calls, tools)."""
+    if not chat.messages:
+        raise ValueError("chat.messages must hold at least one message")
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise ValueError(f"chat.messages holds {len(chat.messages)} messages; the limit is "
+                         f"{MAX_CHAT_MESSAGES}")
+    texts = [t for m in chat.messages for t in (m.content, m.name, m.tool_call_id)]
+    texts += [t for m in chat.messages for c in m.tool_calls for t in (c.name, c.arguments)]
+    texts.append(chat.tools_json)
+    check_text("chat.messages", sum(len(t) for t in texts), sum(len(t.encode()) for t in texts))
 
 
 def check_sampling(temperature: float) -> None:
@@ -64,3 +81,8 @@ def check_structured_output(constraint: StructuredOutput) -> None:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise ValueError(f"{field} is not a valid JSON Schema at {where}: {exc.message}") \
             from None
+    except RecursionError:  # the checker recurses per level (objects, or a pattern's groups)
+        raise ValueError(f"{field} nests deeper than the router's JSON Schema check can "
+                         f"follow (objects or a pattern's groups, ~100 levels)") from None
+    except (AttributeError, TypeError) as exc:  # e.g. a "$schema" that is not a string
+        raise ValueError(f"{field} is not a valid JSON Schema: {exc}") from None

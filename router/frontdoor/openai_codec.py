@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from common.convert import structured_to_proto
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.choices import expand
+from router.frontdoor.limits import check_chat_size, check_text
 from router.frontdoor.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -148,6 +149,8 @@ def parse(body: object, chat: bool, model_name: str, template_knows_calls: bool 
     if echo and logprobs is not None:  # the prompt's logprobs, from whichever worker computes it
         request.sampling.prompt_logprobs = logprobs
     prompts = parsed.prompt if isinstance(parsed, CompletionRequest) else [None]
+    if len(prompts) * (parsed.n or 1) > 1:
+        _check_sizes(request, prompts)
     try:
         choices = expand(request, prompts, parsed.n or 1)
     except ValueError as exc:  # "n x ... choices; the limit is ..."
@@ -156,6 +159,19 @@ def parse(body: object, chat: bool, model_name: str, template_knows_calls: bool 
                       request.sampling.HasField("max_tokens"),
                       include_usage and bool(options and options.continuous_usage_stats), echo,
                       tuple(choices), parsed.n or 1, tools[0] if tools else None)
+
+
+def _check_sizes(request: pb.GenerateRequest, prompts: list[str | list[int] | None]) -> None:
+    """The size limits each copy would be refused for, checked before n copies the request (an
+    8 MiB body copied 256 times would hold the router's memory first)."""
+    try:
+        if request.WhichOneof("input") == "chat":
+            check_chat_size(request.chat)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                check_text("prompt", len(prompt), len(prompt.encode()))
+    except ValueError as exc:  # as the router's frontend would refuse each copy
+        raise ApiError.from_status(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 def _validated(body: object, chat: bool, model_name: str) -> CompletionRequest | ChatRequest:

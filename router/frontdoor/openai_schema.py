@@ -16,6 +16,7 @@ from router.frontdoor.limits import (
     MAX_CHOICES,
     MAX_LOGPROBS,
     MAX_PROMPT_TOKEN_IDS,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
 )
@@ -45,7 +46,14 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # Fields this server cannot honour yet, with the value that means "not used".
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "tools": None, "functions": None,
                "tool_choice": "none", "function_call": None,  # tools: ChatRequest's own fields
-               "spaces_between_special_tokens": True}
+               # vLLM's extensions this server does not honour: set to anything but their
+               # neutral value, each is refused rather than ignored
+               "spaces_between_special_tokens": True, "min_p": 0.0, "guided_grammar": None,
+               "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+               "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None,
+               "chat_template_kwargs": None}
+# The same for vLLM's structured_outputs: the constraint kinds this server has not
+STRUCTURED_UNSUPPORTED = ("grammar", "structural_tag")
 
 
 class StreamOptions(BaseModel):
@@ -119,6 +127,8 @@ class _Request(BaseModel):
         stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError("must be a non-empty string or a list of them")
+        if len(stops) > MAX_STOP_STRINGS:  # here too: before n copies the request
+            raise ValueError(f"holds {len(stops)} stop strings; the limit is {MAX_STOP_STRINGS}")
         return [_utf8(s) for s in stops]
 
     @field_validator("logit_bias")
@@ -137,6 +147,12 @@ class _Request(BaseModel):
             value = extra.get(field, neutral)
             if value not in (neutral, None, [], {}):
                 raise UnsupportedField(field, f"is not supported here (got {SHORT.repr(value)})")
+        constraint = (self.structured_outputs.model_extra or {}) if self.structured_outputs \
+            else {}
+        for kind in STRUCTURED_UNSUPPORTED:
+            if constraint.get(kind) not in (None, "", {}):
+                raise UnsupportedField(f"structured_outputs.{kind}", "is not supported here "
+                                       "(json, regex, choice and json_object are)")
 
 
 class UnsupportedField(ValueError):

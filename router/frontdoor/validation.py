@@ -18,11 +18,12 @@ from engine.tokenizer import ChatTemplateError, Tokenizer
 from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.limits import (
     CHAT_ROLES,
-    MAX_CHAT_MESSAGES,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PROMPT_TOKEN_IDS,
     MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    check_chat_size,
     check_sampling,
     check_structured_output,
     check_text,
@@ -144,6 +145,9 @@ class Frontend:
             message = str(exc)
             raise ValueError(message if message.startswith("sampling.")
                              else f"sampling.{message}") from None
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"sampling.stop holds {len(params.stop)} stop strings; the limit "
+                             f"is {MAX_STOP_STRINGS}")
         check_text("sampling.stop", sum(len(s) for s in params.stop),
                    sum(len(s.encode()) for s in params.stop))
         check_token_ids("sampling.stop_token_ids", len(params.stop_token_ids),
@@ -182,16 +186,7 @@ class Frontend:
 
     def _chat(self, chat: pb.ChatMessages, add_generation_prompt: bool = True,
               add_special_tokens: bool = False) -> list[int]:
-        if not chat.messages:
-            raise ValueError("chat.messages must hold at least one message")
-        if len(chat.messages) > MAX_CHAT_MESSAGES:
-            raise ValueError(f"chat.messages holds {len(chat.messages)} messages; the limit is "
-                             f"{MAX_CHAT_MESSAGES}")
-        texts = [t for m in chat.messages for t in (m.content, m.name, m.tool_call_id)]
-        texts += [t for m in chat.messages for c in m.tool_calls for t in (c.name, c.arguments)]
-        texts.append(chat.tools_json)
-        check_text("chat.messages", sum(len(t) for t in texts),
-                   sum(len(t.encode()) for t in texts))
+        check_chat_size(chat)
         tools = _tools(chat.tools_json)
         try:
             return self.tokenizer.encode_chat([_message(i, m)

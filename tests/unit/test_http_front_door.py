@@ -124,6 +124,10 @@ def test_deep_huge_unknown_and_non_json_requests_keep_openais_shape(served):
     servicer, address = served
     status, reply = post(address, "[" * 200_000 + "]" * 200_000)
     assert status == 400 and "nests JSON deeper" in reply["error"]["message"]
+    # an integer past Python's 4,300-digit limit for str -> int is Python's ValueError
+    status, reply = post(address, '{"model": "tiny", "prompt": "x", "max_tokens": 1'
+                         + "0" * 5000 + "}")
+    assert status == 400 and "not valid JSON" in reply["error"]["message"]
     before = counted(servicer, "INVALID_ARGUMENT")
     status, headers, data = send(address, "POST", "/v1/completions",
                                  b'{"prompt": "' + b"a" * (50 << 20) + b'"}')

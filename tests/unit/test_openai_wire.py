@@ -161,6 +161,16 @@ def test_chat_messages_text_parts_logprobs_and_stream_options():
      "true or false"),
     ({"model": MODEL, "prompt": "x", "spaces_between_special_tokens": False},
      "spaces_between_special_tokens", "not supported"),
+    ({"model": MODEL, "prompt": "x", "min_p": 0.05}, "min_p", "not supported"),
+    ({"model": MODEL, "prompt": "x", "structured_outputs": {"grammar": "root ::= [a]"}},
+     "structured_outputs.grammar", "not supported"),
+    ({"model": MODEL, "prompt": "x", "chat_template_kwargs": {"enable_thinking": False}},
+     "chat_template_kwargs", "not supported"),
+    ({"model": MODEL, "prompt": "x", "stop": ["a"] * 65}, "stop",
+     "holds 65 stop strings; the limit is 64"),
+    # what n would copy is refused before it is copied
+    ({"model": MODEL, "prompt": "x" * 1_000_001, "n": 2}, "prompt",
+     "1000001 characters; the limit is 1000000"),
 ])
 def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
     error = refused(body)
@@ -171,6 +181,9 @@ def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
 
 def test_chat_refusals_and_an_unknown_model():
     assert refused({"model": MODEL, "messages": []}, chat=True).param == "messages"
+    many = [{"role": "user", "content": "x"}] * 4097
+    error = refused({"model": MODEL, "messages": many, "n": 2}, chat=True)  # before n copies it
+    assert error.param == "messages" and "4097 messages; the limit is 4096" in error.message
     error = refused({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, chat=True)
     assert error.param == "messages[0].content"
     error = refused({"model": MODEL, "messages": [{"role": "user", "content": "x"}],

@@ -97,6 +97,20 @@ def test_logit_processing_travels_to_the_workers_unchanged(frontend):
     assert plain.skip_special_tokens and not plain.include_stop_str_in_output
 
 
+def test_stop_strings_are_counted(frontend):
+    # every output token's text is searched for each one (the HTTP API refuses them in parse)
+    assert refusal(frontend, grpc_request(stop=["a"] * 65)) == (
+        "sampling.stop holds 65 stop strings; the limit is 64")
+    assert frontend.parse(grpc_request(stop=["a"] * 64), 0.0).params.stop == ("a",) * 64
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 def test_an_invalid_json_schema_is_refused_by_the_router_naming_where(frontend):
     bad = {"type": "object", "properties": {"a": {"type": "integer", "minimum": "zero"}}}
     request = grpc_request(structured_output=pb.StructuredOutput(json_schema=json.dumps(bad)))
@@ -106,6 +120,16 @@ def test_an_invalid_json_schema_is_refused_by_the_router_naming_where(frontend):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4,
             "response_format": {"type": "json_schema", "json_schema": {"schema": bad}}}
     assert "is not a valid JSON Schema" in refusal(frontend, parse(body, False, MODEL).request)
+    # what the meta-schema check cannot take: a "$schema" that is no string, deep nesting
+    for schema, words in (({"$schema": 5}, "is not a valid JSON Schema"),
+                          ({"$schema": []}, "is not a valid JSON Schema"),
+                          (_nested(150), "nests deeper than"),
+                          ({"type": "string", "pattern": "(" * 1000 + ")" * 1000},
+                           "nests deeper than")):
+        request = grpc_request(structured_output=pb.StructuredOutput(
+            json_schema=json.dumps(schema)))
+        assert refusal(frontend, request).startswith(
+            f"sampling.structured_output.json_schema {words}")
     choice = frontend.parse(grpc_request(structured_output=pb.StructuredOutput(
         choice=pb.Choices(choices=["a", "b"]))), 0.0)
     assert choice.params.structured_output.kind == "choice"
