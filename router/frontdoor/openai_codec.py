@@ -213,8 +213,11 @@ def _tool_plan(parsed: ChatRequest, chat: pb.ChatMessages, template_knows_calls:
     try:
         plan, constraint = tools_plan(tools, choice if not hasattr(choice, "model_dump")
                                       else choice.model_dump(), template_knows_calls)
-    except ValueError as exc:
-        raise bad("tool_choice", str(exc)) from None
+    except ValueError as exc:  # its messages may name the field already
+        message = str(exc)
+        if message.startswith("tool_choice"):
+            raise ApiError(400, message, param="tool_choice") from None
+        raise bad("tool_choice", message) from None
     return plan, None if constraint is None else structured_to_proto(constraint)
 
 

@@ -181,6 +181,9 @@ def test_bad_fields_are_400_naming_the_field_and_its_limit(body, param, words):
 
 def test_chat_refusals_and_an_unknown_model():
     assert refused({"model": MODEL, "messages": []}, chat=True).param == "messages"
+    error = refused({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                     "tools": [], "tool_choice": "required"}, chat=True)
+    assert (error.param, error.message) == ("tool_choice", "tool_choice 'required' needs tools")
     many = [{"role": "user", "content": "x"}] * 4097
     error = refused({"model": MODEL, "messages": many, "n": 2}, chat=True)  # before n copies it
     assert error.param == "messages" and "4097 messages; the limit is 4096" in error.message
