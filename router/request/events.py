@@ -90,7 +90,10 @@ def handover(part: Job, emitted: list[int]) -> Job:
     """The request as a live move's target reserves it: every position whose KV moves is its
     prompt (the attempt's prompt and its tokens before the last), and the last token streamed is
     the one the target decodes first, as if a prefill worker had sampled it."""
-    return dataclasses.replace(_extended(part, emitted[:-1]), fork=None)
+    moved = _extended(part, emitted[:-1])
+    # the first token streamed went out with the prompt's logprobs: the target computes none
+    return dataclasses.replace(moved, params=dataclasses.replace(moved.params,
+                                                                 prompt_logprobs=None), fork=None)
 
 
 def _extended(job: Job, emitted: list[int]) -> Job:

@@ -16,7 +16,7 @@ from pdserve_proto import pdserve_pb2 as pb
 from router.frontdoor.choices import choice_forks
 from router.frontdoor.validation import Job
 from router.request.calls import CallScope, RouterError
-from router.request.events import continuation
+from router.request.events import continuation, handover
 from router.request.forks import ForkGroup, ForkSource, fork_roles
 
 
@@ -155,3 +155,14 @@ def test_a_retry_keeps_leading_only_while_its_prompt_is_unchanged():
     sample = Job("r", "w1", [1, 2, 3], SamplingParams(max_tokens=8), fork=follower)
     assert continuation(sample, [], 1).fork is follower
     assert continuation(sample, [], 2).fork is None  # a retry prefills on its own
+
+
+def test_a_moved_request_asks_its_target_for_no_prompt_logprobs():
+    # they went out with the first token; a target asked for them built a list per step
+    job = Job("r", "w", [1, 2, 3], SamplingParams(max_tokens=8, prompt_logprobs=1))
+    moved = handover(job, [7])
+    assert moved.token_ids == [1, 2, 3] and moved.params.prompt_logprobs is None
+    assert moved.params.max_tokens == 8 and moved.params.continued_tokens == 0
+    later = handover(job, [7, 8, 9])
+    assert later.token_ids == [1, 2, 3, 7, 8] and later.params.prompt_logprobs is None
+    assert later.params.max_tokens == 6 and later.params.continued_tokens == 2
