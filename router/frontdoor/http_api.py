@@ -58,6 +58,8 @@ MAX_BODY_BYTES = 8 << 20  # a request body; the text inside is bounded by router
 STREAMING = web.RequestKey("streaming", bool)  # set on a request once its stream's status is out
 JSON_TYPE = re.compile(r"application/([\w.+-]+\+)?json")
 START_TIMEOUT_S = 30.0
+# How long one write of a stream may wait for a client that reads nothing (see _write)
+SSE_WRITE_TIMEOUT_S = 60.0
 # past a request's deadline, when its own calls to the workers have surely failed it already
 EXPIRY_MARGIN_S = 2.0
 DONE = object()  # the end of a request's responses
@@ -323,7 +325,7 @@ class HttpApi:
             if api.include_usage:
                 await _event(reply, self._chunk(api, None,
                                                 usage=wire.usage(total_usage(choices))))
-        await reply.write(b"data: [DONE]\n\n")
+        await _write(reply, b"data: [DONE]\n\n")
         await reply.write_eof()
         return reply
 
@@ -458,4 +460,16 @@ def _error(exc: wire.ApiError) -> web.Response:
 
 
 async def _event(reply: web.StreamResponse, body: dict) -> None:
-    await reply.write(f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode())
+    await _write(reply, f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode())
+
+
+async def _write(reply: web.StreamResponse, data: bytes) -> None:
+    """One write of a stream. A client that stops reading but keeps its connection open makes
+    a write wait for room in the socket's buffers: past SSE_WRITE_TIMEOUT_S this raises
+    ConnectionError, which ends the handler, so the request is aborted on its workers (it
+    would otherwise hold the handler, and run on, for as long as the client held on)."""
+    try:
+        async with asyncio.timeout(SSE_WRITE_TIMEOUT_S):
+            await reply.write(data)
+    except TimeoutError:
+        raise ConnectionError(f"the client read nothing for {SSE_WRITE_TIMEOUT_S:g} s") from None

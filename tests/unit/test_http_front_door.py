@@ -5,6 +5,7 @@ once with its real outcome."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
@@ -231,3 +232,16 @@ def test_a_request_whose_stream_never_ends_ends_at_its_deadline(served):
         servicer.park_forever = False
     assert status == 504 and "deadline" in body["error"]["message"]
     assert counted(servicer, "DEADLINE_EXCEEDED") == before + 1
+
+
+def test_a_stream_write_that_waits_past_its_limit_ends_the_handler(monkeypatch):
+    # a client that keeps its connection open but reads nothing: the write never completes
+    from router.frontdoor import http_api
+
+    class Stalled:
+        async def write(self, data: bytes) -> None:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(http_api, "SSE_WRITE_TIMEOUT_S", 0.01)
+    with pytest.raises(ConnectionError, match="the client read nothing for 0.01 s"):
+        asyncio.run(http_api._event(Stalled(), {"a": 1}))
