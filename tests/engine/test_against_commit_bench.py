@@ -4,19 +4,13 @@ the temporary worktree is gone afterwards."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from benchmarks.against_commit import REPO, compare, main
 from benchmarks.common import tree_env
-from engine.native_kernels import ALL_SWITCHES
-
-
-def _worktrees() -> str:
-    return subprocess.run(["git", "worktree", "list"], cwd=REPO, check=True,
-                          capture_output=True, text=True, timeout=30).stdout
+from tests.engine.worktree_runs import start_worktree_test, worktrees
 
 
 @pytest.fixture
@@ -30,18 +24,12 @@ def tiny_workload(tmp_path: Path) -> str:
 
 def test_compares_head_with_itself_and_removes_the_worktree(tiny_workload: str,
                                                            monkeypatch: pytest.MonkeyPatch):
-    if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
-    # The fresh worktree would build each native kernel once (a minute or so on 2 cores),
-    # which is not what is tested.
-    for switch in ALL_SWITCHES:
-        monkeypatch.setenv(switch, "1")
-    before = _worktrees()
+    before = start_worktree_test(monkeypatch)
     report = compare("HEAD", 1, "float32", tiny_workload, timeout=600)
     assert len(report["tok_s"]["earlier"]) == len(report["tok_s"]["this"]) == 1
     assert report["median"]["earlier"] > 0 and report["median"]["this"] > 0
     assert report["ratio"] == report["median"]["this"] / report["median"]["earlier"]
-    assert _worktrees() == before
+    assert worktrees() == before
 
 
 def test_refuses_zero_runs():

@@ -3,35 +3,24 @@ summarized pair by pair, and the temporary worktree is gone afterwards."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from benchmarks.engine_start import REPO, compare, main, summarize
-from engine.native_kernels import ALL_SWITCHES
-
-
-def _worktrees() -> str:
-    return subprocess.run(["git", "worktree", "list"], cwd=REPO, check=True,
-                          capture_output=True, text=True, timeout=30).stdout
+from benchmarks.engine_start import compare, main, summarize
+from tests.engine.worktree_runs import start_worktree_test, worktrees
 
 
 def test_starts_head_beside_itself_and_removes_the_worktree(tiny_llama_dir: Path,
                                                             monkeypatch: pytest.MonkeyPatch):
-    if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
-    # The fresh worktree would build each native kernel once, which is not what is tested.
-    for switch in ALL_SWITCHES:
-        monkeypatch.setenv(switch, "1")
-    before = _worktrees()
+    before = start_worktree_test(monkeypatch)
     report = compare("HEAD", 1, str(tiny_llama_dir), "float32", 1, timeout=300)
     for name in ("earlier", "this"):
         (start,) = report["starts"][name]
         assert start["import_s"] > 0 and start["build_s"] > 0 and start["build_cpu_s"] > 0
     assert report["ratio"]["build_s"] == (report["median"]["this"]["build_s"]
                                           / report["median"]["earlier"]["build_s"])
-    assert _worktrees() == before
+    assert worktrees() == before
 
 
 def test_summary_takes_medians_per_tree_and_ratios_per_pair():

@@ -4,12 +4,10 @@ against a commit runs both trees and removes its worktree."""
 from __future__ import annotations
 
 import gc
-import subprocess
 
 import pytest
 
 from benchmarks.host_step import (
-    REPO,
     STUB_VOCAB,
     CollectorClock,
     compare,
@@ -17,8 +15,8 @@ from benchmarks.host_step import (
     parse_args,
     stubbed_llm,
 )
-from engine import row_argmax
 from engine.request import SamplingParams
+from tests.engine.worktree_runs import start_worktree_test, worktrees
 
 
 def test_stubbed_steps_sample_the_one_hot_rows() -> None:
@@ -35,16 +33,7 @@ def test_stubbed_steps_sample_the_one_hot_rows() -> None:
 
 def test_compares_head_with_itself_and_removes_the_worktree(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    if not (REPO / ".git").exists():
-        pytest.skip("not a git checkout")
-    # The one native kernel a stubbed step runs: the fresh worktree would build it (~12 s).
-    monkeypatch.setenv(row_argmax.DISABLE_ENV, "1")
-
-    def worktrees() -> str:
-        return subprocess.run(["git", "worktree", "list"], cwd=REPO, check=True,
-                              capture_output=True, text=True, timeout=30).stdout
-
-    before = worktrees()
+    before = start_worktree_test(monkeypatch)  # the argmax, which a stubbed step runs, too
     report = compare(parse_args(["--against", "HEAD", "--running", "2", "--steps", "2",
                                  "--passes", "1", "--rounds", "1", "--deep", "3",
                                  "--kv-cache-gb", "1"]))
