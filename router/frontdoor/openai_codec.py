@@ -96,7 +96,10 @@ def grpc_code(http_status: int) -> grpc.StatusCode:
 
 
 def bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"{param} {message}", param=param)
+    """400 for `param`; the message starts with the field's name (once: a message from a
+    shared check may name it already)."""
+    return ApiError(400, message if message.startswith(param) else f"{param} {message}",
+                    param=param)
 
 
 @dataclass(frozen=True)
@@ -213,11 +216,8 @@ def _tool_plan(parsed: ChatRequest, chat: pb.ChatMessages, template_knows_calls:
     try:
         plan, constraint = tools_plan(tools, choice if not hasattr(choice, "model_dump")
                                       else choice.model_dump(), template_knows_calls)
-    except ValueError as exc:  # its messages may name the field already
-        message = str(exc)
-        if message.startswith("tool_choice"):
-            raise ApiError(400, message, param="tool_choice") from None
-        raise bad("tool_choice", message) from None
+    except ValueError as exc:
+        raise bad("tool_choice", str(exc)) from None
     return plan, None if constraint is None else structured_to_proto(constraint)
 
 
