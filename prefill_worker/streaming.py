@@ -12,11 +12,14 @@ depends only on the tokens) and sending resumes past them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.engine import LLMEngine, RequestOutput
-from kv_transfer import KVSend
+from kv_transfer import KVSend, TransferError, TransferStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,7 +53,16 @@ class KVStreams:
             upto = min(full - stream.src_offset, stream.num_blocks)
             if upto > 0:
                 begin = stream.src_offset
-                self.on_streamed(stream.send.send_ready(request.block_ids[begin:begin + upto]))
+                self._send_ready(request_id, stream, request.block_ids[begin:begin + upto])
+
+    def _send_ready(self, request_id: str, stream: KVStream, block_ids: Sequence[int]) -> None:
+        # A piece that cannot be sent (its packed copy not allocated, say) fails this transfer
+        # alone: raised here, it would end the engine loop's thread and every request with it.
+        try:
+            self.on_streamed(stream.send.send_ready(block_ids))
+        except Exception as exc:
+            log.exception("streaming the KV of %s failed", request_id)
+            stream.send = FailedSend(stream.send, exc)
 
     def take(self, request_id: str) -> KVSend | None:
         """The request's transfer, no longer fed after steps."""
@@ -62,3 +74,22 @@ class KVStreams:
         send = self.take(request_id)
         if send is not None:
             send.abort()
+
+
+class FailedSend(KVSend):
+    """A streamed transfer whose piece failed: nothing more is sent, and `finish` fails as any
+    failed transfer does (the decode worker frees its blocks, the router retries)."""
+
+    def __init__(self, send: KVSend, error: Exception):
+        self.send = send
+        self.error = error
+
+    def send_ready(self, src_block_ids: Sequence[int]) -> int:
+        return 0
+
+    def finish(self, src_block_ids: Sequence[int]) -> TransferStats:
+        self.send.abort()
+        raise TransferError(f"streaming the KV failed: {self.error}")
+
+    def abort(self) -> None:
+        self.send.abort()

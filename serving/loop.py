@@ -20,6 +20,9 @@ from engine.engine import LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Loop iterations failing with no whole step between them before the worker goes down as a
+# unit: a failure that repeats at every step would otherwise fail every request placed here.
+MAX_FAILED_ITERATIONS = 3
 PREFIX_COPY_S = 0.2  # the digest is sent with heartbeats (0.5 s): fresher copies are wasted work
 Sink = Callable[[RequestOutput | BaseException], None]
 
@@ -136,17 +139,38 @@ class EngineLoop:
 
     # ---- the loop thread ------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            self._drain_inbox()
-            self.policy.before_step(self.engine)
-            if self.engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._wakeup.wait(self.idle_wait_s)
-                self._wakeup.clear()
-                self._check_broken()  # idle too: a worker that cannot step must not be placed
-            self._refresh_load()
+        failures = 0
+        try:
+            while not self._stopped.is_set():
+                try:
+                    if self._iterate():
+                        failures = 0
+                except Exception as exc:  # a role's hook or a sink: its requests fail, not it
+                    log.exception("engine-loop iteration failed")
+                    failures += 1
+                    self._fail_all(exc)
+                    if failures >= MAX_FAILED_ITERATIONS:
+                        self._go_down(f"the engine loop failed {failures} times running: {exc!r}")
+        except BaseException as exc:
+            # The thread is ending: a worker whose loop is gone must not stay placeable, its
+            # heartbeats still reporting the last load and every command timing out.
+            self._go_down(f"the engine loop ended: {exc!r}")
+            raise
         self._fail_all(RuntimeError("worker is shutting down"))
+
+    def _iterate(self) -> bool:
+        """One pass: commands, then a step or an idle wait. True when a step ran whole."""
+        self._drain_inbox()
+        self.policy.before_step(self.engine)
+        stepped = self.engine.has_unfinished_requests()
+        if stepped:
+            stepped = self._step()
+        else:
+            self._wakeup.wait(self.idle_wait_s)
+            self._wakeup.clear()
+            self._check_broken()  # idle too: a worker that cannot step must not be placed
+        self._refresh_load()
+        return stepped
 
     def _drain_inbox(self) -> None:
         while True:
@@ -159,29 +183,38 @@ class EngineLoop:
             except Exception:
                 log.exception("engine-loop command failed")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a failed forward fails its requests, not the worker
             log.exception("engine step failed")
             self._fail_all(exc)
             self._check_broken()  # ... unless it can never step again
-            return
+            return False
         self.num_steps += 1
         for output in outputs:
             self.deliver(output)
         if self.on_step_delivered is not None:
             self.on_step_delivered()
         self.policy.after_step(self.engine, outputs)
+        return True
 
     def _check_broken(self) -> None:
         broken = self.engine.broken()
-        if broken is not None and self.fatal is None:
-            log.error("the engine cannot step again: %s", broken)
-            self.fatal = broken
-            self._fail_all(RuntimeError(broken))
+        if broken is not None:
+            self._go_down(broken)
+
+    def _go_down(self, reason: str) -> None:
+        """Fail every request and tell the worker to go down as a unit (once)."""
+        if self.fatal is not None:
+            return
+        log.error("the engine cannot step again: %s", reason)
+        self.fatal = reason
+        try:
+            self._fail_all(RuntimeError(reason))
+        finally:
             if self.on_fatal is not None:
-                self.on_fatal(broken)
+                self.on_fatal(reason)
 
     def deliver(self, item: RequestOutput | BaseException, request_id: str | None = None) -> None:
         """Hand an output (or an error) to the request's sink; finished requests lose theirs."""
@@ -192,9 +225,17 @@ class EngineLoop:
         if self.observer is not None and isinstance(item, RequestOutput):
             self.observer.observe_output(item)
         if sink is not None:
-            sink(item)
+            self._hand_to(sink, item, rid)
         if self.observer is not None and rid is not None and rid not in self.sinks:
             self.observer.forget(rid)  # finished, failed or handed off: no more outputs here
+
+    def _hand_to(self, sink: Sink, item: RequestOutput | BaseException, rid: str) -> None:
+        try:
+            sink(item)
+        except Exception:  # the reader is broken: its request stops here, its blocks freed
+            log.exception("delivering an output of %s failed", rid)
+            if self.sinks.pop(rid, None) is not None:
+                self.engine.abort(rid)
 
     def hand_over(self, request_id: str, marker: object) -> None:
         """End a request's output stream here without finishing it (it leaves this worker with

@@ -19,7 +19,13 @@ from engine.engine import LLMEngine
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from kv_transfer import TransferError
-from kv_transfer.fake import TRANSPORT, FakeFabric, FakeReceiveConnector, FakeSendConnector
+from kv_transfer.fake import (
+    TRANSPORT,
+    FakeFabric,
+    FakeReceiveConnector,
+    FakeSend,
+    FakeSendConnector,
+)
 from prefill_worker.worker import PrefillWorker
 from serving.options import WorkerOptions
 
@@ -153,6 +159,33 @@ def test_an_abort_mid_stream_ends_the_write_and_frees_both_sides(tiny_llama_dir,
         assert failed and "aborted" in str(failed[0])
         assert ("aborted", "r4") in [e[:2] for e in workers.fabric.events]
         workers.wait_all_free()  # the decode worker freed the reservation at the failed end
+    finally:
+        workers.close()
+
+
+def test_a_piece_that_cannot_be_sent_fails_its_request_not_the_worker(tiny_llama_dir,
+                                                                      workload_prompts,
+                                                                      monkeypatch):
+    """A streamed piece whose send raises (its packed copy not allocated, say) used to end the
+    prefill worker's loop thread: every later request timed out, and the decode side's blocks
+    stayed held."""
+    workers = Pair(str(tiny_llama_dir), streaming=True)
+    try:
+        def broken(self, src_block_ids):
+            raise RuntimeError("out of memory packing a piece")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(FakeSend, "send_ready", broken)
+            with pytest.raises(TransferError, match="out of memory packing"):
+                workers.generate("r9", workload_prompts[2][:100], SamplingParams(max_tokens=4))
+        assert workers.prefill.loop._thread.is_alive()
+        workers.decode.abort("r9")  # the router's part: nothing was written to end it
+        workers.wait_all_free()
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prompt = workload_prompts[2][:100]
+        assert workers.generate("r10", prompt, params) == offline(str(tiny_llama_dir), prompt,
+                                                                 params)
+        workers.wait_all_free()
     finally:
         workers.close()
 
