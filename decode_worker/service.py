@@ -23,7 +23,7 @@ from decode_worker.output_sessions import (
     SessionSink,
     ends_request,
 )
-from decode_worker.worker import DecodeWorker, NoRoom, OutputSink
+from decode_worker.worker import COMMAND_TIMEOUT_S, DecodeWorker, NoRoom, OutputSink
 from engine.engine import RequestOutput
 from kv_transfer import TransferDescriptor, TransferError
 from pdserve_proto import pdserve_pb2 as pb
@@ -61,7 +61,19 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         except NoRoom as exc:
             self.gate.reject(context, "Reserve", grpc.StatusCode.RESOURCE_EXHAUSTED,
                              f"KV cache full: {exc}")
+        except TimeoutError:
+            self._loop_late(context, "Reserve", request.request_id)
+        if not context.is_active():  # the router stopped waiting: nobody will abort it
+            self.worker.abort_later(request.request_id)
         return pb.ReserveResponse(transfer=reserved.to_proto())
+
+    def _loop_late(self, context: grpc.ServicerContext, method: str, request_id: str) -> None:
+        """The step loop did not take the command in time. It may still run it: the abort
+        queued behind it undoes what it leaves (request ids are used once)."""
+        self.worker.abort_later(request_id)
+        self.gate.reject(context, method, grpc.StatusCode.UNAVAILABLE,
+                         f"the worker's step loop did not take {method} of {request_id} within "
+                         f"{COMMAND_TIMEOUT_S:.0f}s")
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext
                ) -> Iterator[pb.TokenChunk]:
@@ -71,7 +83,9 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
         # Runs when the RPC ends for any reason (cancel, deadline, finish); after a normal finish
         # the id is unknown and the abort is a no-op. A paused request stays parked: it moves.
         paused = False
-        context.add_callback(lambda: None if paused else self.worker.abort_later(rid))
+        if not context.add_callback(lambda: None if paused else self.worker.abort_later(rid)):
+            self.worker.abort_later(rid)  # the call ended already (cancelled, deadline)
+            return
         try:
             for i, output in enumerate(sink.drain()):
                 paused = isinstance(output, Paused)
@@ -170,10 +184,15 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             self.gate.reject(context, method, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RuntimeError as exc:  # the engine failed it (e.g. a fork's block copy)
             self.gate.reject(context, method, grpc.StatusCode.ABORTED, str(exc))
+        except TimeoutError:
+            self._loop_late(context, method, rid)
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.worker.abort(request.request_id))
+        try:
+            return pb.AbortResponse(found=self.worker.abort(request.request_id))
+        except TimeoutError:
+            self._loop_late(context, "Abort", request.request_id)
 
     def Pause(self, request: pb.PauseRequest, context: grpc.ServicerContext
               ) -> pb.PauseResponse:
@@ -181,6 +200,10 @@ class DecodeWorkerServicer(pb_grpc.DecodeWorkerServicer):
             paused = self.worker.pause(list(request.request_ids), request.lease_s)
         except ValueError as exc:
             self.gate.reject(context, "Pause", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:  # nothing was paused: each stays where it runs
+            self.gate.reject(context, "Pause", grpc.StatusCode.UNAVAILABLE,
+                             f"the worker's step loop did not take Pause within "
+                             f"{COMMAND_TIMEOUT_S:.0f}s")
         return pb.PauseResponse(paused=paused)
 
     def MigrateOut(self, request: pb.MigrateOutRequest, context: grpc.ServicerContext

@@ -31,6 +31,10 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext
                 ) -> pb.PrefillResponse:
         self.gate.check_new(context, "Prefill")
+        # When the call ends (cancelled, past its deadline, or answered: then a no-op), the
+        # request stops here, even one queued after an Abort that found nothing yet.
+        if not context.add_callback(lambda: self.worker.abort_later(request.request_id)):
+            return pb.PrefillResponse()  # the call ended before it started
         timeout_s = call_budget_s(context.time_remaining(), DEFAULT_TIMEOUT_S)
         descriptor = TransferDescriptor.from_proto(request.transfer)
         receiver = descriptor.receiver_id
@@ -63,7 +67,13 @@ class PrefillWorkerServicer(pb_grpc.PrefillWorkerServicer):
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext
               ) -> pb.AbortResponse:
-        return pb.AbortResponse(found=self.worker.abort(request.request_id))
+        try:
+            return pb.AbortResponse(found=self.worker.abort(request.request_id))
+        except TimeoutError:
+            self.worker.abort_later(request.request_id)
+            self.gate.reject(context, "Abort", grpc.StatusCode.UNAVAILABLE,
+                             f"the worker's step loop did not take Abort of "
+                             f"{request.request_id} in time")
 
 
 def _response(result: PrefillResult) -> pb.PrefillResponse:

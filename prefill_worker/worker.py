@@ -151,16 +151,20 @@ class PrefillWorker:
         """Drop a queued or computing request (its blocks are freed); a request waiting to ship
         is not sent; one whose KV is being sent finishes and is freed after the ack."""
 
-        def run(engine: LLMEngine) -> bool:
-            if engine.abort(request_id) is not None:
-                self.loop.deliver(RuntimeError(f"request {request_id} aborted"), request_id)
-                return True
-            if request_id in self.shipping:
-                self.cancelled.add(request_id)
-                return True
-            return False
+        return self.loop.call(lambda e: self._abort_on_loop(e, request_id), COMMAND_TIMEOUT_S)
 
-        return self.loop.call(run, COMMAND_TIMEOUT_S)
+    def abort_later(self, request_id: str) -> None:
+        """Abort without waiting (safe from gRPC callbacks)."""
+        self.loop.post(lambda e: self._abort_on_loop(e, request_id))
+
+    def _abort_on_loop(self, engine: LLMEngine, request_id: str) -> bool:
+        if engine.abort(request_id) is not None:
+            self.loop.deliver(RuntimeError(f"request {request_id} aborted"), request_id)
+            return True
+        if request_id in self.shipping:
+            self.cancelled.add(request_id)
+            return True
+        return False
 
     def in_flight(self) -> int:
         """Requests queued, computing or shipping here (drain waits for 0)."""

@@ -56,7 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         record = RequestRecord("grpc")
         scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
-        context.add_callback(scope.cancel)
+        if not context.add_callback(scope.cancel):
+            scope.cancel()  # the client was gone before this handler ran
         try:
             yield from self.stream(request, scope, record)
         except RouterError as exc:
@@ -74,7 +75,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         scope = CallScope(call_budget_s(context.time_remaining(), self.default_timeout_s))
-        context.add_callback(scope.cancel)
+        if not context.add_callback(scope.cancel):
+            scope.cancel()  # the client was gone before this handler ran
         records = [RequestRecord("grpc") for _ in choices]
         forks = choice_forks(request.n, request.sampling, len(choices))
         merged: queue.Queue = queue.Queue()

@@ -152,14 +152,15 @@ class CallScope:
 
 
 def worker_error(exc: grpc.RpcError, what: str, scope: CallScope) -> RouterError:
+    """A worker call's failure as the client should see it. CANCELLED and DEADLINE_EXCEEDED
+    are the client's only when it cancelled or its deadline passed: a worker answers them too
+    (a server stopping cancels its calls; its own stall timeout), and then another may serve."""
     code = exc.code()
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED or scope.expired():
+    if scope.expired():
         return RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"{what}: the request's deadline passed")
-    if scope.cancelled.is_set() or code is grpc.StatusCode.CANCELLED:
+    if scope.cancelled.is_set():
         return RouterError(grpc.StatusCode.CANCELLED, "the client cancelled the request")
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RouterError(code, f"{what}: the request's deadline passed")
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return RouterError(code, f"{what}: {exc.details()}", worker_code=code)
     # The worker died, is draining, or failed the request: another worker may well succeed.

@@ -147,6 +147,8 @@ class LiveMover:
             except TransportRefused:
                 continue
             except RouterError as exc:
+                if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # it may have been made
+                    self.stubs.abort(worker, "decode", part.worker_request_id)
                 if exc.code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
                 log.info("move of %s: %s", part.request_id, exc.message)

@@ -237,6 +237,9 @@ class Orchestrator:
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:  # our view was stale
                 scope.pause(PLACEMENT_POLL_S)
                 return None
+            # Cancelled, past its deadline or failed in flight, the Reserve may still have been
+            # made there (it waits for the worker's step): nobody else would free it.
+            self.stubs.abort(decode, "decode", part.worker_request_id)
             exc.suspect = decode.worker_id
             raise
         holders.append((decode, "decode"))
