@@ -8,7 +8,8 @@ Protocol for one transfer on pair `key` = "{sender}->{receiver}":
 3. the sender waits for that key (bounded) and, on "ok", rendezvouses (new pairs only) and sends
    each packed layer; the receiver receives, checks the bytes against the MAC the control
    message carried (`integrity`), and only then writes the blocks into its cache.
-Any failure tears the pair down on that side; both sides rebuild it under the next generation.
+Any failure but a refusal tears the pair down on that side; both sides rebuild it under the next
+generation.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ PERMANENT_ERRORS = ("invalid usage", "duplicate gpu", "unsupported device")
 def will_repeat(exc: BaseException) -> bool:
     message = str(exc).lower()
     return any(marker in message for marker in PERMANENT_ERRORS)
+
+
+class TransferRefused(TransferError):
+    """The receiver answered and refused (no such reservation: aborted, expired): nothing was
+    sent and both sides are still in step, so the pair is kept. Tearing it down made the next
+    transfer rendezvous anew, a gloo or NCCL group set up per cancelled request."""
 
 
 def pair_key(sender_id: str, receiver_id: str) -> str:
@@ -131,6 +138,8 @@ class KVSender:
                 self._await_ready(store, key, generation, tag)
                 pair = self.registry.get(store, key, generation)
                 return send_blocks(pair, tag, layers, self.timeout_s)
+            except TransferRefused as exc:  # the pair is sound and in step: it stays
+                raise TransferError(f"sending KV to {receiver_id}: {exc}") from exc
             except (TransferError, RuntimeError) as exc:
                 self.registry.tear_down(key)
                 with self._lock:
@@ -158,7 +167,7 @@ class KVSender:
         answer = store.get(ready).decode()
         store.delete_key(ready)
         if answer != "ok":
-            raise TransferError(f"receiver refused the transfer: {answer}")
+            raise TransferRefused(f"receiver refused the transfer: {answer}")
 
     def _store(self, address: str) -> dist.TCPStore:
         with self._lock:
