@@ -15,6 +15,7 @@ from pdserve_proto import pdserve_pb2_grpc as pb_grpc
 
 # Waits for the decode worker's answer to a ReceiveKV (TransferError: refused or failed).
 WaitAck = Callable[[float], pb.ReceiveKVResponse]
+RECEIVE_WAITS = 3
 
 
 class ReceiveKVClient:
@@ -35,7 +36,12 @@ class ReceiveKVClient:
     def start(self, address: str, receiver_id: str, message: pb.ReceiveKVRequest) -> WaitAck:
         """Announce a piece without waiting; the returned wait gives the decode worker's answer.
         The call's own deadline bounds it too, should nobody wait for it."""
-        future = self._stub(address).ReceiveKV.future(message, timeout=self.timeout_s)
+        # The decode worker's side of one piece is three waits, each bounded by timeout_s: the
+        # sender's rendezvous, a new pair's setup and the receive. One timeout_s from the
+        # announce could end the call while a slow setup still completes the piece, the
+        # transfer then failed (and retried) though its KV had arrived.
+        future = self._stub(address).ReceiveKV.future(
+            message, timeout=RECEIVE_WAITS * self.timeout_s)
 
         def wait_ack(timeout_s: float) -> pb.ReceiveKVResponse:
             try:

@@ -77,7 +77,9 @@ class KVExporter:
                 send_cache(conn, mapping_id, self.cache, self.device)
                 conn.settimeout(None)
                 said_bye = self._answer_until_closed(conn, key)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # TypeError, AttributeError: a frame of the wrong shape (a list, a null count); the
+            # writes of this mapping must still end below.
             log.warning("KV export mapping %s ended: %s", key or mapping_id, exc)
         if key and (said_bye or self._writer_exited(key, pid)):
             self.book.writer_gone(key)
@@ -107,7 +109,7 @@ class KVExporter:
                 write = Write(TRANSPORT, key, message["request_id"], 0, "", "")
                 return {"held": self.book.complete(write, ok, stats)}
             return {"error": f"unknown op {message['op']!r}"}
-        except (KeyError, ValueError, PermissionError) as exc:
+        except (KeyError, ValueError, TypeError, PermissionError) as exc:
             return {"error": str(exc)[:500]}
 
     def _writer_exited(self, key: str, pid: int) -> bool:

@@ -5,14 +5,20 @@ writer whose peer died fails cleanly without writing."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
+import socket
+import threading
 
 import pytest
 import torch
 
+from engine.kv_memory import KVShards, allocate_kv_buffer
 from kv_transfer.shared.copy import block_runs, copy_blocks
+from kv_transfer.shared.exporter import KVExporter
+from kv_transfer.shared.mapping import _recv_header, recv_frame, send_frame
 from tests.cluster import shared_peers
 
 pytestmark = pytest.mark.slow
@@ -172,3 +178,37 @@ def test_a_silent_export_times_out_as_a_transient_failure():
         assert not failed.value.permanent and "cannot map" in str(failed.value)
     finally:
         silent.close()
+
+
+@pytest.mark.parametrize("frame", [
+    b"[1, 2]", b"null",
+    b'{"op": "begin", "request_id": "r", "num_blocks": null, "dtype": "float32"}'])
+def test_a_frame_of_the_wrong_shape_still_ends_its_mappings_writes(frame):
+    """A writer's frame that is JSON of the wrong shape used to end the mapping's thread with
+    an uncaught error: the writes of that mapping were never ended, their reservations held for
+    good. Now the mapping ends them once its writer is gone."""
+    gone = threading.Event()
+
+    class Book:
+        def admit(self, write: object) -> list[int]:
+            raise AssertionError("a write of no block count was admitted")
+
+        def writer_gone(self, writer: str) -> None:
+            gone.set()
+
+    buffer = allocate_kv_buffer(shared_peers.SHAPE, torch.float32, torch.device("cpu"),
+                                shareable=True)
+    exporter = KVExporter("decode-u", KVShards.whole(buffer), Book())  # type: ignore[arg-type]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect("\0" + exporter.address.removeprefix("@"))
+            send_frame(conn, json.dumps({"writer": "w"}).encode())
+            _, fds = _recv_header(conn)  # the cache: mapped by a real writer, not here
+            for fd in fds:
+                os.close(fd)
+            send_frame(conn, frame)
+            if b"begin" in frame:  # a bad field: answered, and the mapping goes on
+                assert "error" in json.loads(recv_frame(conn))
+        assert gone.wait(10), "the mapping's writes were never ended"
+    finally:
+        exporter.close()
