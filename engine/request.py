@@ -61,11 +61,15 @@ class OutputKind(str, enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, validated on construction (ValueError names the field and its limit).
 
-    temperature 0 means greedy. top_k -1 disables top-k; top_p 1.0 disables nucleus sampling.
+    temperature 0 (below 1e-5, as vLLM) means greedy. top_k -1 disables top-k; top_p 1.0
+    disables nucleus sampling.
     `logprobs`: None for none, 0 for the sampled token's logprob, k for that plus the top k.
 
     Logit processing, as vLLM defines it (applied in engine.logits_processing, in this order):
@@ -198,7 +202,9 @@ class SamplingParams:
     # every sampling row, several times.
     @functools.cached_property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's rule: below 1e-5 a temperature is greedy. Dividing by a far smaller one makes
+        # the logits infinite and the probabilities NaN (every row then sampled token 0).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @functools.cached_property
     def penalizes_history(self) -> bool:
@@ -377,11 +383,16 @@ class Request:
         p = self.params
         if len(self.output_token_ids) < p.min_tokens:  # no stop before min_tokens (vLLM's rule)
             return self._check_length()
-        if not p.ignore_eos and token in self.eos_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            # As vLLM: the token that ends the request is left out of the text (an EOS's
+            # "<|im_end|>" with special tokens kept, a stop token id's "\n") unless the stop is
+            # asked to stay in the output.
+            if new_text and not p.include_stop_str_in_output:
+                self.output_text = self.output_text[:-len(new_text)]
             return self._finish_with(FinishReason.STOP, token)
-        if token in p.stop_token_ids:
-            return self._finish_with(FinishReason.STOP, token)
-        if p.stop and new_text and self._truncate_at_stop_string(len(new_text)):
+        # A stop string counts once it ends in a token after the min_tokens-th (vLLM's rule).
+        if p.stop and new_text and len(self.output_token_ids) > p.min_tokens \
+                and self._truncate_at_stop_string(len(new_text)):
             return True
         return self._check_length()
 

@@ -172,7 +172,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 ) -> Iterator[pb.GenerateResponse | Waiting]:
         p = job.params
         text = IncrementalText(self.frontend.tokenizer, job.token_ids, p.stop, p.min_tokens,
-                               p.skip_special_tokens, p.include_stop_str_in_output)
+                               p.skip_special_tokens, p.include_stop_str_in_output,
+                               self.frontend.stop_token_ids(p))
         output: list[str] = []  # the text so far, for tool calls
         completion_tokens = 0
         first_token_time = last_token_time = None

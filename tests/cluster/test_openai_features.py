@@ -62,7 +62,7 @@ def test_stop_strings_min_tokens_and_vllms_text_options_as_the_offline_engine(
         client, model, tiny_llama_dir):
     """The router builds the text the client reads, the workers find where the request stops:
     both as the offline engine does, with the stop string kept, a stop string inside the first
-    min_tokens tokens' text, and special tokens kept."""
+    min_tokens tokens' text, a stop token id, and special tokens kept."""
     from engine.config import CacheConfig, EngineConfig
     from engine.llm import LLM
     from engine.request import SamplingParams
@@ -74,20 +74,28 @@ def test_stop_strings_min_tokens_and_vllms_text_options_as_the_offline_engine(
                                                  ignore_eos=True))[0]
     assert len(base.text) > 16
     (eos,) = llm.engine.eos_token_ids
+    eos_bias = {"logit_bias": {str(eos): 100}}
     cases = [({"stop": [base.text[10:14]], "include_stop_str_in_output": True}, {}),
              ({"stop": [base.text[1:3]], "min_tokens": 8}, {}),
-             ({"skip_special_tokens": False, "min_tokens": 3}, {"logit_bias": {str(eos): 100}})]
+             ({"stop_token_ids": [base.token_ids[5]]}, {}),
+             ({"skip_special_tokens": False, "min_tokens": 3}, eos_bias),
+             ({"skip_special_tokens": False, "min_tokens": 3,
+               "include_stop_str_in_output": True}, eos_bias)]
+    texts = []
     for extra, openai_args in cases:
         reply = client.completions.create(model=model, prompt=prompt, max_tokens=24,
                                           temperature=0, extra_body=extra, **openai_args)
         bias = {eos: 100.0} if openai_args else {}
-        params = {k: tuple(v) if k == "stop" else v for k, v in extra.items()}
+        params = {k: tuple(v) if k in ("stop", "stop_token_ids") else v
+                  for k, v in extra.items()}
         expected = llm.generate([prompt], SamplingParams(
             temperature=0, max_tokens=24, logit_bias=bias, **params))[0]
         choice = reply.choices[0]
         assert (choice.text, choice.finish_reason) == (expected.text, expected.finish_reason)
         assert reply.usage.completion_tokens == len(expected.token_ids)
-    assert expected.text.endswith("<|im_end|>")  # the last case: the EOS token's text kept
+        texts.append(expected.text)
+    # The stop token's and the EOS's own text are left out (as vLLM), unless the stop is kept.
+    assert not texts[3].endswith("<|im_end|>") and texts[4] == texts[3] + "<|im_end|>"
 
 
 def test_tokenize_and_detokenize_over_http_and_grpc(cluster, http_address, model):

@@ -48,6 +48,18 @@ def test_top_k_one_is_greedy(tiny, workload_prompts):
     assert [o.token_ids for o in tiny_p] == [o.token_ids for o in greedy]
 
 
+def test_a_temperature_below_1e_5_is_greedy(tiny, workload_prompts):
+    """As vLLM's. 1e-39 used to overflow the scaled logits: NaN probabilities, token 0 for
+    every row."""
+    prompts = mixed_prompts(workload_prompts, 4)
+    greedy = tiny.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for temperature in (1e-39, 9e-6):
+        tiny_t = tiny.generate(prompts, SamplingParams(temperature=temperature, seed=1,
+                                                       max_tokens=6))
+        assert [o.token_ids for o in tiny_t] == [o.token_ids for o in greedy]
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
 def test_sampling_draws_from_the_distribution(tiny, workload_prompts):
     prompt = workload_prompts[0][:20]
     outs = tiny.generate([prompt] * 24, SamplingParams(temperature=1.0, max_tokens=1))
@@ -127,7 +139,19 @@ def test_the_text_keeps_the_stop_string_or_special_tokens_when_asked(smol):
     special = smol.generate([ids], SamplingParams(temperature=0, max_tokens=60,
                                                   skip_special_tokens=False))[0]
     assert special.token_ids == plain.token_ids and plain.finish_reason == "stop"
-    assert special.text == plain.text + "<|im_end|>"
+    # As vLLM: the EOS that ended it is left out of the text, unless the stop is kept.
+    assert special.text == plain.text
+    kept_eos = smol.generate([ids], SamplingParams(temperature=0, max_tokens=60,
+                                                   skip_special_tokens=False,
+                                                   include_stop_str_in_output=True))[0]
+    assert kept_eos.text == plain.text + "<|im_end|>"
+    stop_id = base.token_ids[6]  # a stop token id's text stays out too
+    first = base.token_ids.index(stop_id)
+    cut = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=40,
+                                                 stop_token_ids=(stop_id,)))[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == base.token_ids[:first + 1]
+    before = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=first))[0]
+    assert cut.text == before.text and len(before.text) < len(base.text)
 
 
 def test_eos_stops_and_ignore_eos_continues(smol):

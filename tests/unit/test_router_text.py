@@ -65,6 +65,9 @@ def test_incremental_text_finds_no_stop_string_before_min_tokens(tokenizer):
     assert "".join(early.add([t]) for t in ids) + early.finish() == "one "
     late = IncrementalText(tokenizer, [1], stop=("two",), min_tokens=3)
     assert "".join(late.add([t]) for t in ids) + late.finish() == "one two one "
+    # A stop string the min_tokens-th token completes does not count either (vLLM's rule).
+    edge = IncrementalText(tokenizer, [1], stop=("two",), min_tokens=2)
+    assert "".join(edge.add([t]) for t in ids) + edge.finish() == "one two one "
     never = IncrementalText(tokenizer, [1], stop=("two",), min_tokens=len(ids))
     assert "".join(never.add([t]) for t in ids) + never.finish() == "one two one two three"
     assert never.stopped_at is None
@@ -131,3 +134,44 @@ def test_reservation_ready_then_taken_or_expired():
     table.begin_receive("c")
     assert table.end_receive("c", ok=False) is False and released == ["c"]
     assert LeaseState.READY.value == "ready"
+
+
+def test_the_token_that_ends_the_request_is_left_out_of_the_text(tokenizer):
+    """An EOS or a stop token id ends the text without its own, as the workers' engines and
+    vLLM do, unless the stop is kept; not before min_tokens tokens."""
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    two = ids[1]
+    for batch in (1, len(ids)):  # a token at a time, or all in one chunk
+        text = IncrementalText(tokenizer, [1], stop=(), stop_token_ids={two})
+        sent = "".join(text.add(ids[i:i + batch]) for i in range(0, len(ids), batch))
+        assert sent + text.finish() == "one"
+    kept = IncrementalText(tokenizer, [1], stop=(), include_stop=True, stop_token_ids={two})
+    assert "".join(kept.add([t]) for t in ids) + kept.finish() == "one two"
+    late = IncrementalText(tokenizer, [1], stop=(), min_tokens=3, stop_token_ids={two})
+    assert "".join(late.add([t]) for t in ids) + late.finish() == "one two three four"
+
+
+class Words:
+    """A text stream of one word per token id."""
+
+    def step(self, token_id: int) -> str:
+        return {5: "a", 6: "x", 7: "b", 13: "\n"}[token_id]
+
+
+def engine_text(tokens: list[int], **params: object) -> tuple[str, int]:
+    request = Request("r", [1, 2], SamplingParams(max_tokens=8, **params), eos_token_ids=(2,))
+    request.text_stream = Words()
+    for token in tokens:
+        if request.check_stop(request.append_token(token)):
+            break
+    return request.output_text, len(request.output_token_ids)
+
+
+def test_the_engine_stops_as_vllm_at_min_tokens_and_at_stop_tokens():
+    # "x" completed by the min_tokens-th token does not stop it; the next "x" does.
+    assert engine_text([5, 6, 7, 6, 5], stop=("x",), min_tokens=2) == ("axb", 4)
+    assert engine_text([5, 6, 7, 6, 5], stop=("x",), min_tokens=1) == ("a", 2)
+    # A stop token id's text is left out, unless the stop is kept.
+    assert engine_text([5, 13, 7], stop_token_ids=(13,)) == ("a", 2)
+    assert engine_text([5, 13, 7], stop_token_ids=(13,), include_stop_str_in_output=True) == \
+        ("a\n", 2)
