@@ -241,6 +241,10 @@ class LLMEngine:
         """Free the blocks of a request that is not in the scheduler (reserved or detached)."""
         self.block_manager.free(request)
 
+    def bind_thread(self) -> None:
+        """Before the first step on a thread other than the one that built the engine."""
+        self.runner.bind_thread()
+
     def broken(self) -> str | None:
         """Why this engine can never step again (a tensor-parallel rank is gone), or None: its
         host should go down as a unit."""

@@ -77,7 +77,10 @@ def _mask_stops(out: torch.Tensor, rows: list[tuple[int, RowHistory | None]]) ->
     device = out.device
     row_ids = to_device([i for i, _ in index], torch.int64, device)
     token_ids = to_device([t for _, t in index], torch.int64, device)
-    out.index_put_((row_ids, token_ids), torch.tensor(float("-inf"), device=device))
+    # Filled on the device: torch.tensor(value, device=cuda) copies from pageable host memory,
+    # which waits for the step already queued (async scheduling's overlap lost).
+    out.index_put_((row_ids, token_ids),
+                   torch.full((len(index),), float("-inf"), dtype=out.dtype, device=device))
 
 
 def _apply_penalties(out: torch.Tensor, rows: list[int], params: list[SamplingParams],

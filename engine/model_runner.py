@@ -175,6 +175,13 @@ class ModelRunner:
             self.ranks.break_off(f"rank 0's forward failed: {exc!r}")
             raise
 
+    def bind_thread(self) -> None:
+        """Make the calling thread's current CUDA device this runner's. A new thread starts on
+        cuda:0, and Triton kernels (the fused element-wise ones, MoE) launch on the current
+        device: a worker on cuda:N stepping on its own loop thread must not launch there."""
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+
     def broken(self) -> str | None:
         """Why this runner can never run a step again (a tensor-parallel rank is gone)."""
         return self.ranks.lost() if self.ranks is not None else None
@@ -212,10 +219,11 @@ class ModelRunner:
 
     def _warm_up(self, model_config: ModelConfig) -> None:
         """Compile the attention kernels' variants now, not in the first requests."""
-        from engine.attention.warmup import warm_up_attention
+        from engine.attention.warmup import layer_kinds, warm_up_attention
 
         warm_up_attention(model_config.num_heads, model_config.num_kv_heads,
-                          model_config.head_dim, self.block_size, self.dtype, self.device)
+                          model_config.head_dim, self.block_size, self.dtype, self.device,
+                          layer_kinds=layer_kinds(model_config))
 
     def warm_up_model(self) -> None:
         """One forward of the whole model that writes no KV (every slot -1), so the fused

@@ -119,11 +119,11 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             x = _apply_top_k_top_p(x, params)
         probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
+        # One draw for every row (one kernel, not one per row: at 256 rows on a GPU those
+        # launches outlast a graphed decode step), then the seeded rows' own draws over theirs.
+        noise = torch.empty_like(probs).exponential_()
         for row, p in enumerate(params):
-            if p.seed is None:
-                noise[row].exponential_()
-            else:
+            if p.seed is not None:
                 gen = torch.Generator(device=device)
                 # a continuation (after a migration) draws where the request it continues was
                 gen.manual_seed(seed_for_step(p.seed,

@@ -61,8 +61,9 @@ class TokenCounts:
             self.counts.index_put_(self._index(count_at, count_ids),
                                    torch.ones(len(count_ids), device=self.device), accumulate=True)
         if seen_ids:
-            self.in_prompt.index_put_(self._index(seen_at, seen_ids),
-                                      torch.tensor(True, device=self.device))
+            self.in_prompt.index_put_(self._index(seen_at, seen_ids),  # filled on the device
+                                      torch.ones(len(seen_ids), dtype=torch.bool,
+                                                 device=self.device))
         select = to_device(rows, torch.int64, self.device)
         return self.counts.index_select(0, select), self.in_prompt.index_select(0, select)
 

@@ -34,9 +34,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=gpu-check
 STAGE=all
+KNOWN_HELP="all, tests, or a comma-separated list of tests-cluster, tests-engine, kernels, kv, \
+moe, engine, engine-8b"
 while [ $# -gt 0 ]; do
   case "$1" in
-    --stage) STAGE=$2; shift 2 ;;
+    --stage) [ $# -ge 2 ] || { echo "--stage needs a value: $KNOWN_HELP" >&2; exit 2; }
+             STAGE=$2; shift 2 ;;
     --stage=*) STAGE=${1#--stage=}; shift ;;
     *) OUTDIR=$1; shift ;;
   esac

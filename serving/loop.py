@@ -141,6 +141,7 @@ class EngineLoop:
     def _run(self) -> None:
         failures = 0
         try:
+            self.engine.bind_thread()
             while not self._stopped.is_set():
                 try:
                     if self._iterate():

@@ -55,6 +55,9 @@ class StubEngine:
     def broken(self) -> str | None:
         return None
 
+    def bind_thread(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
