@@ -43,6 +43,12 @@ class WorkerStubs:
         deadline = time.monotonic() + timeout_s
         mux = self._mux(worker)
         if not mux.attach(min(timeout_s, ATTACH_TIMEOUT_S)):
+            if timeout_s < ATTACH_TIMEOUT_S and not mux.closed:
+                # This request's own time ran out while the stream opened: the stream is not
+                # at fault, and the requests waiting on it keep it.
+                raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline "
+                                  f"passed while worker {worker.worker_id}'s Outputs stream "
+                                  "opened")
             mux.close()
             raise RouterError(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} did not "
                               "open an Outputs stream", retryable=True, suspect=worker.worker_id)

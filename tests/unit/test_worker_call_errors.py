@@ -106,3 +106,31 @@ def test_a_reserve_refused_for_room_made_nothing_to_abort(monkeypatch):
     monkeypatch.setattr("router.request.orchestrator.PLACEMENT_POLL_S", 0.0)
     error, aborted, holders = reserve(grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert error is None and aborted == [] and holders == []
+
+
+class OpeningMux:
+    """An Outputs stream still opening."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def attach(self, timeout_s: float) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_request_out_of_time_leaves_an_opening_stream_to_the_others():
+    from router.request.worker_client import WorkerStubs
+
+    stubs, mux = WorkerStubs(), OpeningMux()
+    stubs._mux = lambda worker: mux  # type: ignore[method-assign]
+    decode = Worker("decode-0", Role.DECODE, "127.0.0.1:1", 16, 4096)
+    with pytest.raises(RouterError) as info:
+        stubs.decode_stream(decode, None, 0.05)  # type: ignore[arg-type]
+    assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED and not mux.closed
+    with pytest.raises(RouterError) as info:  # its full wait: the stream is at fault
+        stubs.decode_stream(decode, None, 60.0)  # type: ignore[arg-type]
+    assert info.value.code is grpc.StatusCode.UNAVAILABLE and info.value.retryable
+    assert mux.closed and info.value.suspect == "decode-0"
