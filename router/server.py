@@ -192,7 +192,9 @@ class Router:
             self.internal_server = start_server(
                 self.options.host, self.options.internal_port or 0, add_registry,
                 INTERNAL_SERVICES, internal=INTERNAL_SERVICES,
-                on_refused=self.metrics.refused_unauthenticated, tls=self.options.cluster_tls)
+                on_refused=self.metrics.refused_unauthenticated,
+                # mutual TLS; else the public port's TLS: the token must not cross in clear
+                tls=self.options.cluster_tls or self.options.tls)
             self.internal_address = f"{self.options.host}:{self.internal_server.port}"
 
     def drain(self) -> bool:

@@ -49,9 +49,10 @@ def load_token(path: str | None, env: Mapping[str, str] = os.environ) -> str | N
         source = TOKEN_ENV
         if not token:
             return None
-    if len(token) < MIN_TOKEN_CHARS or not token.isprintable():
+    # ASCII: gRPC metadata carries no other characters (each call would fail INTERNAL).
+    if len(token) < MIN_TOKEN_CHARS or not (token.isprintable() and token.isascii()):
         raise ValueError(f"the cluster token ({source}) must be at least {MIN_TOKEN_CHARS} "
-                         f"printable characters, got {len(token)}")
+                         f"printable ASCII characters, got {len(token)}")
     return token
 
 
@@ -143,9 +144,11 @@ class TokenCheck(grpc.ServerInterceptor):
         given = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
         if hmac.compare_digest(given.encode(), self._token):
             return continuation(details)
-        if self._on_refused is not None:
-            self._on_refused(details.method)
         handler = continuation(details)
+        if self._on_refused is not None:
+            # The method's name is the caller's choice: a method no service has is counted
+            # under one label, or names without a token would grow the metrics without bound.
+            self._on_refused(details.method if handler is not None else "unknown")
         reason = "no cluster token" if not given else "wrong cluster token"
         return _refusal(handler, f"{details.method}: {reason} (UNAUTHENTICATED)")
 

@@ -71,6 +71,10 @@ class Worker:
         return "drain" if self.draining else "operator" if self.operator_drained else ""
 
 
+class WorkerIdTaken(Exception):
+    """Registration under the id of a live worker of another process."""
+
+
 class KVLayoutMismatch(ValueError):
     """A prefill or decode worker whose KV cache its peers' cannot exchange blocks with."""
 
@@ -90,10 +94,22 @@ class WorkerRegistry:
         KV cache could not move to or from the ones registered already."""
         with self._lock:
             self._check_layout(worker)
-            worker.last_heartbeat = self._clock()
             known = self._workers.get(worker.worker_id)
+            self._check_same_process(known, worker)
+            worker.last_heartbeat = self._clock()
             worker.operator_drained = known is not None and known.operator_drained
             self._workers[worker.worker_id] = worker
+
+    def _check_same_process(self, known: Worker | None, worker: Worker) -> None:
+        """A live worker's id is not taken over by another process (another address, or other
+        KV receivers): both would heartbeat into one entry, one of them never dropped. The
+        newcomer gets in once the first has missed its heartbeats."""
+        if known is None or self._clock() - known.last_heartbeat > self.heartbeat_timeout_s:
+            return
+        if (known.address, known.kv_receiver_id) != (worker.address, worker.kv_receiver_id):
+            raise WorkerIdTaken(
+                f"worker_id {worker.worker_id!r} is held by a live worker at {known.address} "
+                f"(this one is at {worker.address}); retry once it is gone, or pick another id")
 
     def drain(self, worker_id: str, drained: bool = True) -> Worker | None:
         """An operator drains a worker (nothing new is placed on it; its running requests

@@ -8,11 +8,19 @@ import grpc
 from kv_transfer.selection import MODES
 from pdserve_proto import pdserve_pb2 as pb
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc
-from router.fleet.registry import KVLayoutMismatch, Role, Worker, WorkerLoad, WorkerRegistry
+from router.fleet.registry import (
+    KVLayoutMismatch,
+    Role,
+    Worker,
+    WorkerIdTaken,
+    WorkerLoad,
+    WorkerRegistry,
+)
 
 ROLE_FROM_PROTO = {pb.WORKER_ROLE_PREFILL: Role.PREFILL, pb.WORKER_ROLE_DECODE: Role.DECODE,
                    pb.WORKER_ROLE_COLOCATED: Role.COLOCATED}
 ROLE_TO_PROTO = {v: k for k, v in ROLE_FROM_PROTO.items()}
+MAX_PREFIX_KEYS = 32768  # the proto's PrefixDigest limit
 
 
 class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
@@ -30,9 +38,11 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"worker serves model {request.model!r}; this router serves "
                           f"{self.model_name!r}")
-        if not request.worker_id or not request.address or request.block_size < 1:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "worker_id, address and block_size >= 1 are required")
+        if not request.worker_id or not request.address or request.block_size < 1 \
+                or request.max_model_len < 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address, "
+                          "block_size >= 1 and max_model_len >= 1 are required")
+        _check_prefix(request.load, context)
         if request.kv_transport not in ("", *MODES):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
                           f"{', '.join(MODES)}, got {request.kv_transport!r}")
@@ -40,10 +50,13 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             self.registry.register(_worker(request))
         except KVLayoutMismatch as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except WorkerIdTaken as exc:  # not a refusal: the worker retries, and gets in later
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
                   ) -> pb.HeartbeatResponse:
+        _check_prefix(request.load, context)
         return pb.HeartbeatResponse(known=self.registry.heartbeat(
             request.worker_id, _load(request.load), draining=request.draining,
             prefix_hashes=_prefix(request.load)))
@@ -61,6 +74,16 @@ def _worker(request: pb.RegisterRequest) -> Worker:
         tensor_parallel_size=max(1, request.tensor_parallel_size),
         prefix_hashes=_prefix(request.load) or frozenset(),
         kv_layout=request.kv_layout, prefill_chunk_tokens=request.prefill_chunk_tokens)
+
+
+def _check_prefix(load: pb.WorkerLoad, context: grpc.ServicerContext) -> None:
+    """A digest of at most MAX_PREFIX_KEYS keys (a worker sends at most that many, the most
+    recently cached: engine.block_manager.MAX_PUBLISHED_HASHES): a 64 MiB message would
+    otherwise be ~8M keys, hundreds of MB as a set, at every heartbeat."""
+    count = len(load.prefix.block_hashes)
+    if count > MAX_PREFIX_KEYS:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load.prefix.block_hashes has {count} "
+                      f"keys; the limit is {MAX_PREFIX_KEYS}")
 
 
 def _prefix(load: pb.WorkerLoad) -> frozenset[int] | None:

@@ -26,8 +26,10 @@ def test_the_token_comes_from_its_file_else_the_environment(tmp_path):
     assert auth.load_token(str(path), env={auth.TOKEN_ENV: "x" * 20}) == TOKEN
     assert auth.load_token(None, env={auth.TOKEN_ENV: "y" * 20}) == "y" * 20
     assert auth.load_token(None, env={}) is None
-    with pytest.raises(ValueError, match="at least 16 printable characters, got 5"):
+    with pytest.raises(ValueError, match="at least 16 printable ASCII characters, got 5"):
         auth.load_token(None, env={auth.TOKEN_ENV: "short"})
+    with pytest.raises(ValueError, match="printable ASCII"):  # gRPC metadata is ASCII
+        auth.load_token(None, env={auth.TOKEN_ENV: "é" * 16})
     with pytest.raises(ValueError, match="--cluster-token-file .*missing"):
         auth.load_token(str(tmp_path / "missing"))
     assert len(auth.new_token()) >= 40
@@ -78,6 +80,19 @@ def test_internal_calls_need_the_token_and_refusals_are_counted(server):
     finally:
         auth.configure(None)
     assert refused == [f"/{REGISTRY}/Heartbeat"] * 2
+
+
+def test_refused_calls_to_methods_that_do_not_exist_share_one_label(server):
+    """The method's name is the caller's: counted as given, names without the token would grow
+    the refusal metric without bound."""
+    address, refused = server
+    with channel(address) as ch:
+        for i in range(5):
+            junk = ch.unary_unary(f"/{REGISTRY}/Junk{i}")
+            with pytest.raises(grpc.RpcError) as info:
+                junk(b"", timeout=5)
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert refused == ["unknown"] * 5
 
 
 def test_binding_beyond_loopback_warns_about_plaintext_and_open_membership():

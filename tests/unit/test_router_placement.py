@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from pdserve_proto import pdserve_pb2 as pb
 from router.fleet.registry import Role, Worker, WorkerLoad, WorkerRegistry
 from router.policy.placement import PlacementPolicy
@@ -202,3 +204,53 @@ def test_a_worker_registers_its_prefill_chunk():
 
     assert registered(prefill_chunk_tokens=32).prefill_chunk_tokens == 32
     assert registered().prefill_chunk_tokens == 0
+
+
+class Refused(Exception):
+    pass
+
+
+class Context:
+    def abort(self, code: object, message: str) -> None:
+        raise Refused(code, message)
+
+
+def test_registration_and_heartbeats_refuse_what_placement_cannot_use():
+    """A worker of no context length would never be placed; a prefix digest beyond the proto's
+    32,768 keys is refused, not held as a set of millions at every heartbeat."""
+    import grpc
+
+    from router.fleet.registry_service import MAX_PREFIX_KEYS, WorkerRegistryServicer
+
+    servicer = WorkerRegistryServicer(WorkerRegistry(), "m", 0.5)
+    fields = dict(worker_id="d0", role=pb.WORKER_ROLE_DECODE, address="127.0.0.1:1",
+                  block_size=16, model="m")
+    with pytest.raises(Refused, match="max_model_len >= 1"):
+        servicer.Register(pb.RegisterRequest(**fields), Context())
+    servicer.Register(pb.RegisterRequest(max_model_len=2048, **fields), Context())
+    digest = pb.WorkerLoad(prefix=pb.PrefixDigest(block_hashes=range(MAX_PREFIX_KEYS + 1)))
+    with pytest.raises(Refused) as info:
+        servicer.Heartbeat(pb.HeartbeatRequest(worker_id="d0", load=digest), Context())
+    assert info.value.args[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert "load.prefix.block_hashes has 32769 keys; the limit is 32768" in info.value.args[1]
+    within = pb.WorkerLoad(prefix=pb.PrefixDigest(block_hashes=range(MAX_PREFIX_KEYS)))
+    assert servicer.Heartbeat(pb.HeartbeatRequest(worker_id="d0", load=within), Context()).known
+
+
+def test_a_live_workers_id_is_not_taken_over_by_another_process():
+    import dataclasses
+
+    from router.fleet.registry import WorkerIdTaken
+
+    clock = Clock()
+    registry, _ = make(clock)
+    first = worker("d0", Role.DECODE)
+    registry.register(first)
+    registry.register(dataclasses.replace(first))  # the same process again: renewed
+    impostor = dataclasses.replace(first, address="127.0.0.1:9")
+    with pytest.raises(WorkerIdTaken, match="held by a live worker at 127.0.0.1:"):
+        registry.register(impostor)
+    assert registry.get("d0").address == first.address
+    clock.now += 3.5  # the first missed its heartbeats: the id is free again
+    registry.register(impostor)
+    assert registry.get("d0").address == "127.0.0.1:9"
