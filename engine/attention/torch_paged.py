@@ -285,14 +285,17 @@ def _attend_prefill_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     group, offset = heads // n_kv, seq_len - lq
     diagonal = _diagonal_mask(group, q.dtype, q.device)
     k, v = k.contiguous(), v.contiguous()
-    grouped = (q * scale).reshape(lq, n_kv, group, head_dim)
+    # Soft-capped scores are scaled after the product, as transformers' eager path and the
+    # decode path here: the scale taken into q first rounds differently where it is not a power
+    # of two (Gemma 2 27B's 1/12).
+    grouped = (q if softcap is not None else q * scale).reshape(lq, n_kv, group, head_dim)
     for a in range(0, lq, PREFILL_TILE):
         b = min(lq, a + PREFILL_TILE)
         rows, keys = b - a, offset + b
         q_tile = grouped[a:b].permute(1, 0, 2, 3).reshape(n_kv, rows * group, head_dim)
         scores = torch.bmm(q_tile, k[:, :keys].transpose(1, 2))
         if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+            scores = torch.tanh(scores * scale / softcap) * softcap
         scores[:, :, offset + a:keys] += diagonal[:rows * group, :rows]
         if window is not None and offset + b - window > 0:  # some keys fell out of the window
             q_pos = torch.arange(offset + a, offset + b, device=q.device).repeat_interleave(group)

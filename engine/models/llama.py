@@ -28,8 +28,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int
     if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"partial_rotary_factor {rope.get('partial_rotary_factor')} is not "
                          "supported: RoPE rotates whole heads here")
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
-                                     / head_dim))
+    powers = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / powers
     if rope.rope_type == "default":
         return inv_freq, 1.0
     if rope.rope_type == "linear":
@@ -37,23 +37,23 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_positions: int
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope), 1.0
     if rope.rope_type == "longrope":
-        return _longrope_inv_freq(inv_freq, rope, max_positions)
+        return _longrope_inv_freq(powers, rope, max_positions)
     raise ValueError(
         f"unsupported rope_type {rope.rope_type!r}; supported: default, linear, llama3, longrope"
     )
 
 
-def _longrope_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: int
+def _longrope_inv_freq(powers: torch.Tensor, rope: RopeConfig, max_positions: int
                        ) -> tuple[torch.Tensor, float]:
-    """Phi-3's LongRoPE: every frequency divided by its own factor — the long ones where the
-    engine serves sequences past the pretraining length, else the short ones — and cos/sin
-    scaled by the attention factor. One set for every position, fixed at start (as vLLM does):
-    KV computed under one set stays valid as a sequence grows, where transformers switches
-    sets in mid-sequence once it passes the pretraining length."""
+    """Phi-3's LongRoPE (`powers`: theta^(2i/d)): every frequency divided by its own factor —
+    the long ones where the engine serves sequences past the pretraining length, else the short
+    ones — and cos/sin scaled by the attention factor. One set for every position, fixed at
+    start (as vLLM does): KV computed under one set stays valid as a sequence grows, where
+    transformers switches sets in mid-sequence once it passes the pretraining length."""
     original = int(rope.get("original_max_position_embeddings"))
     factors = rope.get("long_factor" if max_positions > original else "short_factor")
-    if factors is None or len(factors) != inv_freq.numel():
-        raise ValueError(f"longrope needs short_factor and long_factor of {inv_freq.numel()} "
+    if factors is None or len(factors) != powers.numel():
+        raise ValueError(f"longrope needs short_factor and long_factor of {powers.numel()} "
                          f"values each (one per rotated frequency)")
     factor = rope.get("factor")
     if factor is None:
@@ -61,7 +61,9 @@ def _longrope_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig, max_positions: 
     attention = rope.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
+    # 1 / (factor * theta^(2i/d)), in transformers' order: bit for bit its frequencies (the
+    # same quotient taken as (1 / theta^(2i/d)) / factor rounds differently in a third of them)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers), float(attention)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

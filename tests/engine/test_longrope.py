@@ -50,6 +50,14 @@ def test_the_factors_follow_the_served_length_and_the_attention_factor_scales(ph
     base = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).float() / 16))
     torch.testing.assert_close(short, base / torch.tensor(SHORT))
     torch.testing.assert_close(long, base / torch.tensor(LONG))
+    # Bit for bit transformers' own frequencies, on either side of the pretraining length
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(phi3_dir)
+    for served, ours in ((ORIGINAL, short), (256, long)):
+        theirs, _ = ROPE_INIT_FUNCTIONS["longrope"](config, None, served)
+        assert torch.equal(ours, theirs)
     # factor = 256 / 32 = 8: sqrt(1 + ln 8 / ln 32), for both sets
     assert short_scale == long_scale == pytest.approx((1 + 3 / 5) ** 0.5)
 
