@@ -4,6 +4,7 @@ cleanly. Used by `python -m router launch` and by the cluster tests."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import grpc
 from common.client import cluster_status
 from common.grpc_server import wait_healthy
 from common.logs import check_logging
+from engine.config import SchedulerConfig
 from launch.gpus import (
     MAX_FRACTION_PER_GPU,
     GpuSlot,
@@ -29,6 +31,7 @@ from launch.gpus import (
 from pdserve_proto import pdserve_pb2 as pb
 from security.tls import read_ca
 
+log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,9 +91,7 @@ class ClusterSpec:
             if on and self.device != "cuda":
                 raise ValueError(f"{flag} needs --device cuda")
         self._check_tensor_parallel()
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
-                             f"{self.max_num_batched_tokens}")
+        self._check_numbers()
         check_logging(self.log_level, self.log_format)
         if self.kv_transport not in ("auto", "shared", "dist"):
             raise ValueError(f"--kv-transport must be auto, shared or dist, got "
@@ -107,11 +108,29 @@ class ClusterSpec:
         if self.gpus is not None:
             self.check_gpus(self.gpus)
 
+    def _check_numbers(self) -> None:
+        """What every worker or the router would refuse, refused before anything starts."""
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"--http-port and --port must differ, both {self.port}")
+        seqs = SchedulerConfig.for_device(self.device).max_num_seqs
+        budget = self.max_num_batched_tokens
+        if budget is not None and budget < seqs and "--max-num-seqs" not in self.worker_args:
+            raise ValueError(f"--max-num-batched-tokens must be >= the workers' max_num_seqs "
+                             f"({seqs} on {self.device}) so every running request can decode "
+                             f"each step, got {budget}")
+
     def _check_tensor_parallel(self) -> None:
         for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size),
                            ("--prefill-tp", self.prefill_tp), ("--decode-tp", self.decode_tp)):
             if size is not None and size < 1:
                 raise ValueError(f"{flag} must be >= 1, got {size}")
+        if self.device == "cuda" and max(self.tp_for(r) for r in ("prefill", "decode")) > 1:
+            raise ValueError("tensor parallelism (--tensor-parallel-size, --prefill-tp, "
+                             "--decode-tp > 1) runs on CPU ranks so far: its GPU path is unproven")
         if self.colocated and (self.prefill_tp or self.decode_tp):
             raise ValueError("--prefill-tp and --decode-tp are for prefill and decode workers; "
                              "colocated workers take --tensor-parallel-size")
@@ -306,7 +325,7 @@ class LocalCluster:
         args = []
         if spec.dtype:
             args += ["--dtype", spec.dtype]
-        if spec.kv_cache_gb:
+        if spec.kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(spec.kv_cache_gb)]
         if spec.cuda_graphs is not None:
             args.append("--cuda-graphs" if spec.cuda_graphs else "--no-cuda-graphs")
@@ -364,7 +383,10 @@ class LocalCluster:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait(5.0)
+                try:
+                    proc.wait(5.0)
+                except subprocess.TimeoutExpired:  # the next ones are stopped all the same
+                    log.error("%s (pid %d) did not exit after SIGKILL", name, proc.pid)
 
     def __enter__(self) -> LocalCluster:
         return self if self.processes else self.start()  # start() may already have run

@@ -133,6 +133,11 @@ class WorkerOptions:
     def _check_numbers(self) -> None:
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.kv_cache_gb is not None and not self.kv_cache_gb > 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
         if not 0 < self.gpu_memory_fraction <= 0.95:
             raise ValueError(f"--gpu-memory-fraction must be in (0, 0.95], got "
                              f"{self.gpu_memory_fraction}")

@@ -79,3 +79,34 @@ def test_a_port_given_by_the_caller_is_not_retried(stand_ins, monkeypatch):
     with pytest.raises(RouterExited):
         cluster.start()
     assert fake.routers == ["127.0.0.1:5"]
+
+
+def test_a_signal_during_start_stops_what_started_at_once(monkeypatch):
+    """A SIGTERM while the workers load ends the launch then, every process stopped: it used to
+    wait for the whole start (minutes), and a supervisor's SIGKILL after its grace period left
+    every process running."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from launch.run import run_until_interrupted
+
+    started: list[subprocess.Popen] = []
+
+    def start_once(self: LocalCluster) -> None:
+        self.processes["router"] = subprocess.Popen([sys.executable, "-c",
+                                                     "import time; time.sleep(60)"])
+        started.append(self.processes["router"])
+        time.sleep(60)  # the workers still loading
+
+    monkeypatch.setattr(LocalCluster, "_start_once", start_once)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    try:
+        code = run_until_interrupted(ClusterSpec(model="m", decode=1, prefill=1), None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert code == 130  # interrupted, not after the start's 60 s
+    assert started and started[0].poll() is not None  # stopped, not orphaned

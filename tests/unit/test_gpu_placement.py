@@ -56,7 +56,15 @@ def test_launch_cuda_counts_the_visible_gpus(monkeypatch):
     (["--device", "cuda", "--gpus", "1", "--kv-transport", "dist"],
      "--kv-transport dist needs one GPU per worker .*NCCL cannot put two ranks on one GPU"),
     (["--device", "cuda", "--gpus", "a"], "argument --gpus: invalid int value: 'a'"),
-    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= the workers' "
+     "max_num_seqs \\(64 on cpu\\) so every running request can decode each step, got 0"),
+    (["--max-num-batched-tokens", "16"], "--max-num-batched-tokens must be >= .*got 16"),
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be > 0, got -1.0"),
+    (["--kv-cache-gb", "0"], "--kv-cache-gb must be > 0, got 0.0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--device", "cuda", "--gpus", "2", "--decode-tp", "2"],
+     "tensor parallelism .* runs on CPU ranks so far"),
+    (["--port", "8000", "--http-port", "8000"], "--http-port and --port must differ, both 8000"),
 ])
 def test_bad_launch_flags_are_refused_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -335,6 +343,16 @@ def test_gpu_memory_fraction_is_validated(fraction):
         CacheConfig(gpu_memory_fraction=fraction)
     with pytest.raises(ValueError, match="--gpu-memory-fraction must be in \\(0, 0.95\\]"):
         WorkerOptions(role="decode", router="h:1", gpu_memory_fraction=fraction)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kv_cache_gb": 0.0}, "--kv-cache-gb must be > 0, got 0.0"),
+    ({"kv_cache_gb": -1.0}, "--kv-cache-gb must be > 0, got -1.0"),
+    ({"max_num_batched_tokens": 0}, "--max-num-batched-tokens must be >= 1, got 0"),
+])
+def test_a_workers_sizes_are_validated_before_its_engine_builds(fields, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerOptions(role="decode", router="h:1", **fields)
 
 
 def test_worker_flag_reaches_the_engines_cache_config(monkeypatch):
