@@ -10,13 +10,14 @@ time, and targets loopback unless --address says otherwise."""
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from loadtest.shapes import SHAPES, ShapeSpec
 from loadtest.slo import SLO
-from loadtest.workload import DEFAULT_WORKLOAD
+from loadtest.workload import DEFAULT_WORKLOAD, MAX_REQUESTS_LIMIT
 
 PACKAGE_DIR = Path(__file__).resolve().parent  # a checkout's loadtest/, or an installed one
 LOCUSTFILE = PACKAGE_DIR / "locustfile.py"
@@ -67,10 +68,19 @@ def locust_command(args: argparse.Namespace, address: str) -> list[str]:
             "--request-timeout-s", str(args.request_timeout_s), "--api", args.api]
 
 
-def run_locust(args: argparse.Namespace, address: str) -> int:
-    # Validate here too, so a bad option fails before a cluster is started for nothing.
+def check_options(args: argparse.Namespace) -> None:
+    """What locust would refuse, refused before a cluster is started for nothing."""
     ShapeSpec(args.shape, args.users, args.spawn_rate, args.duration_s)
     SLO.from_yaml(args.slo)
+    if not 1 <= args.max_requests <= MAX_REQUESTS_LIMIT:
+        raise ValueError(f"--max-requests must be in [1, {MAX_REQUESTS_LIMIT}], got "
+                         f"{args.max_requests}")
+    if args.max_tokens_cap < 0:
+        raise ValueError(f"--max-tokens-cap must be >= 0 (0: no cap), got {args.max_tokens_cap}")
+
+
+def run_locust(args: argparse.Namespace, address: str) -> int:
+    check_options(args)
     bound_s = args.duration_s + args.request_timeout_s + 60
     try:
         return subprocess.run(locust_command(args, address), cwd=PACKAGE_DIR.parent,
@@ -86,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_locust(args, args.address)
     from launch.cluster import ClusterSpec, LocalCluster
 
+    check_options(args)
+    # SIGTERM (a `timeout`, a supervisor) unwinds as Ctrl-C does: the cluster is stopped on the
+    # way out, not left running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     colocated = args.colocated
     spec = ClusterSpec(prefill=0 if colocated else args.prefill,
                        decode=0 if colocated else args.decode, colocated=colocated,
@@ -94,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         address = cluster.status().http_address if args.api == "http" else cluster.address
         print(f"cluster ready on {address} ({args.api}); running the load test", flush=True)
         return run_locust(args, address)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,14 @@ grpc_gevent.init_gevent()  # after the monkey-patch, before any gRPC object exis
 
 from loadtest.shapes import SHAPES, ShapeSpec, users_at  # noqa: E402
 from loadtest.slo import SLO, judge  # noqa: E402
-from loadtest.workload import DEFAULT_WORKLOAD, WorkloadSampler, load_workload  # noqa: E402
+from loadtest.workload import (  # noqa: E402
+    DEFAULT_WORKLOAD,
+    MAX_REQUESTS_LIMIT,
+    WorkloadSampler,
+    load_workload,
+)
 from pdserve_proto import pdserve_pb2 as pb  # noqa: E402
 from pdserve_proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
-
-MAX_REQUESTS_LIMIT = 100_000
 
 
 @events.init_command_line_parser.add_listener

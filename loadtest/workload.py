@@ -11,6 +11,8 @@ from pathlib import Path
 
 from loadtest.workloads import ONLINE_MIXED
 
+MAX_REQUESTS_LIMIT = 100_000  # requests one load test may send (--max-requests)
+
 DEFAULT_WORKLOAD = ONLINE_MIXED
 
 

@@ -53,10 +53,14 @@ class RouterLink:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="router-link", daemon=True)
 
-    def register(self, timeout_s: float) -> None:
-        """Register, retrying until the router answers; TimeoutError after `timeout_s`."""
+    def register(self, timeout_s: float, stop: threading.Event | None = None) -> None:
+        """Register, retrying until the router answers; TimeoutError after `timeout_s`,
+        InterruptedError once `stop` is set (a signal: the worker is stopping, not waiting)."""
         deadline = time.monotonic() + timeout_s
+        stop = stop or threading.Event()
         while True:
+            if stop.is_set():
+                raise InterruptedError(f"stopped while registering with {self.router_address}")
             try:
                 self._register_once()
                 return
@@ -68,7 +72,7 @@ class RouterLink:
                     raise TimeoutError(
                         f"router {self.router_address} did not accept the registration within "
                         f"{timeout_s:.0f}s: {exc.code().name}") from exc
-                time.sleep(0.2)
+                stop.wait(0.2)
 
     def _register_once(self) -> None:
         load = self.load()

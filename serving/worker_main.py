@@ -135,7 +135,9 @@ class WorkerProcess:
     """A started worker: step loop, gRPC server, /metrics and router link, registered. The CLI
     runs it until a signal; a Ray actor (deploy/) runs the same object in its process."""
 
-    def __init__(self, options: WorkerOptions, role: WorkerRole, model_name: str):
+    def __init__(self, options: WorkerOptions, role: WorkerRole, model_name: str,
+                 stop: threading.Event | None = None):
+        """`stop`: set by a signal; registration gives up when it is (InterruptedError)."""
         self.options, self.role = options, role
         self.server: Server | None = None
         self.link: RouterLink | None = None
@@ -158,7 +160,7 @@ class WorkerProcess:
             self.link = RouterLink(options.router, registration(
                 options, role, self.address, self.metrics_address, model_name),
                 lambda: role.loop.load, read_ca(options.tls_ca))
-            self.link.register(options.connect_timeout_s)
+            self.link.register(options.connect_timeout_s, stop)
         except BaseException:  # nothing started is left running
             self.close()
             raise
@@ -191,7 +193,11 @@ def serve(options: WorkerOptions, role: WorkerRole, model_name: str,
     stop = stop or threading.Event()
     _install_signal_handlers(stop)
     role.loop.on_fatal = lambda reason: stop.set()  # e.g. a tensor-parallel rank died
-    worker = WorkerProcess(options, role, model_name)  # (the loop starts in here)
+    try:
+        worker = WorkerProcess(options, role, model_name, stop)  # (the loop starts in here)
+    except InterruptedError as exc:  # a signal while it registered: it stopped cleanly
+        print(f"{options.role} worker {options.worker_id}: {exc}", flush=True)
+        return 0
     try:
         print(f"{options.role} worker {options.worker_id} serving on {worker.address} "
               f"(metrics: http://{worker.metrics_address}/metrics)", flush=True)

@@ -79,3 +79,21 @@ def test_the_default_workload_is_80_percent_chat(tmp_path):
     bad.write_text(json.dumps({"prompt_token_ids": [], "max_tokens": 4}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_workload(bad)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--users", "0"], "users"),
+    (["--max-requests", "0"], "--max-requests must be in \\[1, 100000\\], got 0"),
+    (["--max-tokens-cap", "-1"], "--max-tokens-cap must be >= 0 \\(0: no cap\\), got -1"),
+])
+def test_a_local_load_test_refuses_bad_options_before_any_cluster_starts(argv, message,
+                                                                          monkeypatch):
+    import launch.cluster
+    from loadtest.__main__ import main
+
+    def no_start(self):  # noqa: ANN001, ANN202
+        raise AssertionError("a cluster was started for options locust refuses")
+
+    monkeypatch.setattr(launch.cluster.LocalCluster, "start", no_start)
+    with pytest.raises(ValueError, match=message):
+        main(["local", *argv])
