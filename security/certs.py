@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -61,9 +62,40 @@ def _validity(days: int, start: datetime.datetime | None = None
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    if not private:
+        path.write_bytes(data)
+        return
+    # Created 0600, not chmod-ed after: the key is never readable by others, even for a moment.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    path.chmod(0o600)  # a file that was there keeps its mode through O_CREAT
+
+
+def unusable_because(cert_pem: Path, hosts: list[str], margin_days: float = 1.0) -> str | None:
+    """Why the certificate at `cert_pem` should not serve `hosts` now: it expires within
+    `margin_days`, or a host is not among its names. None when it serves."""
+    cert = x509.load_pem_x509_certificate(cert_pem.read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if cert.not_valid_after_utc < now + datetime.timedelta(days=margin_days):
+        return f"{cert_pem} expires {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+    if not hosts:
+        return None
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return f"{cert_pem} names no host"
+    named = {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} \
+        | set(names.get_values_for_type(x509.DNSName))
+    missing = [h for h in hosts if str(_host(h)) not in named]
+    return f"{cert_pem} does not name {', '.join(missing)}" if missing else None
+
+
+def _host(host: str) -> object:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return host
 
 
 def make_certs(out: Path, hosts: list[str] | None = None, days: int = VALID_DAYS

@@ -59,3 +59,26 @@ def test_deploy_secure_dir_fills_the_credential_sections(tmp_path):
     with pytest.raises(ValueError, match="--secure brings its own credentials; the config "
                                          "names cluster_token_file, tls, cluster_tls"):
         with_secure_dir(secured, tmp_path / "other", node_ip="10.9.8.7")
+
+
+def test_a_certificate_near_its_end_or_missing_a_host_is_issued_again_by_the_same_ca(tmp_path):
+    """Reused as they were, a certificate past its 30 days (or one for other hosts) failed
+    every handshake of every later launch."""
+    import datetime
+
+    from security.certs import issue, unusable_because
+
+    sec = tmp_path / "sec"
+    spec("--secure", str(sec))
+    ca = (sec / "ca.pem").read_bytes()
+    hosts = ["127.0.0.1", "localhost"]
+    assert unusable_because(sec / "server.pem", hosts) is None
+    old = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=40)
+    issue(sec, "server", sec / "ca.pem", sec / "ca.key", hosts, 30, start=old)  # expired
+    assert "expires" in unusable_because(sec / "server.pem", hosts)
+    spec("--secure", str(sec))
+    assert unusable_because(sec / "server.pem", hosts) is None
+    assert (sec / "ca.pem").read_bytes() == ca  # clients keep trusting the same CA
+    assert "does not name 10.1.2.3" in unusable_because(sec / "server.pem", ["10.1.2.3"])
+    spec("--secure", str(sec), "--host", "10.1.2.3")
+    assert unusable_because(sec / "server.pem", ["10.1.2.3", *hosts]) is None
