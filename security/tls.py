@@ -37,6 +37,7 @@ class ServerTls:
             raise ValueError("--tls-cert and --tls-key go together")
         _read("--tls-cert", cert_file)
         _read("--tls-key", key_file)
+        _check_pair("--tls-cert", cert_file, "--tls-key", key_file)
         return cls(cert_file, key_file)
 
     def key_and_chain(self) -> tuple[bytes, bytes]:
@@ -51,6 +52,16 @@ class ServerTls:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.cert_file, self.key_file)
         return context
+
+
+def _check_pair(cert_flag: str, cert_file: str, key_flag: str, key_file: str) -> None:
+    """The key is the certificate's: gRPC would otherwise fail at the bind with "Failed to bind
+    to address", which reads as a port problem."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{key_flag} {key_file} is not the key of {cert_flag} {cert_file} "
+                         f"(or one is not a certificate or key): {exc.reason or exc}") from exc
 
 
 def read_ca(path: str | None) -> bytes | None:
@@ -79,6 +90,7 @@ class ClusterTls:
             raise ValueError("--cluster-cert, --cluster-key and --cluster-ca go together")
         tls = cls(cert_file or "", key_file or "", ca_file or "")
         tls.server_credentials()  # every file readable as PEM now, not at the first call
+        _check_pair("--cluster-cert", tls.cert_file, "--cluster-key", tls.key_file)
         return tls
 
     def _files(self) -> tuple[bytes, bytes, bytes]:

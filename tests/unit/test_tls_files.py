@@ -76,3 +76,15 @@ def test_cluster_tls_takes_all_three_files_or_none(tmp_path):
         RouterOptions(cluster_tls=tls)
     with pytest.raises(ValueError, match="--internal-port must be in"):
         RouterOptions(internal_port=70000)
+
+
+def test_a_key_that_is_not_the_certificates_is_refused_naming_both_flags(tmp_path):
+    """gRPC took such a pair and then failed the bind ("Failed to bind to address")."""
+    from security.tls import ClusterTls
+
+    one, other = make_certs(tmp_path / "one"), make_certs(tmp_path / "other")
+    with pytest.raises(ValueError, match="--tls-key .* is not the key of --tls-cert"):
+        ServerTls.load(str(one["server.pem"]), str(other["server.key"]))
+    with pytest.raises(ValueError, match="--cluster-key .* is not the key of --cluster-cert"):
+        ClusterTls.load(str(one["server.pem"]), str(other["server.key"]), str(one["ca.pem"]))
+    assert ClusterTls.load(str(one["server.pem"]), str(one["server.key"]), str(one["ca.pem"]))
