@@ -87,6 +87,9 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._clock = clock
         self._workers: dict[str, Worker] = {}
+        # Operator drains by worker id: they outlive the entry, so a worker dropped for missed
+        # heartbeats (a partition) comes back drained, not taking work again.
+        self._drained: set[str] = set()
         self._lock = threading.Lock()
 
     def register(self, worker: Worker) -> None:
@@ -97,7 +100,7 @@ class WorkerRegistry:
             known = self._workers.get(worker.worker_id)
             self._check_same_process(known, worker)
             worker.last_heartbeat = self._clock()
-            worker.operator_drained = known is not None and known.operator_drained
+            worker.operator_drained = worker.worker_id in self._drained
             self._workers[worker.worker_id] = worker
 
     def _check_same_process(self, known: Worker | None, worker: Worker) -> None:
@@ -118,6 +121,7 @@ class WorkerRegistry:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 worker.operator_drained = drained
+                (self._drained.add if drained else self._drained.discard)(worker_id)
             return None if worker is None else replace(worker)
 
     def _check_layout(self, worker: Worker) -> None:

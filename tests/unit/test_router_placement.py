@@ -254,3 +254,20 @@ def test_a_live_workers_id_is_not_taken_over_by_another_process():
     clock.now += 3.5  # the first missed its heartbeats: the id is free again
     registry.register(impostor)
     assert registry.get("d0").address == "127.0.0.1:9"
+
+
+def test_an_operators_drain_outlives_a_drop_for_missed_heartbeats():
+    """A drained worker cut off for a moment and back again stays drained until undone."""
+    clock = Clock()
+    registry, _ = make(clock)
+    registry.register(worker("d0", Role.DECODE))
+    assert registry.drain("d0").operator_drained
+    clock.now += 3.5
+    assert [w.worker_id for w in registry.drop_dead()] == ["d0"]
+    registry.register(worker("d0", Role.DECODE))  # the partition healed
+    assert registry.get("d0").operator_drained
+    assert not registry.drain("d0", drained=False).operator_drained
+    clock.now += 3.5
+    registry.drop_dead()
+    registry.register(worker("d0", Role.DECODE))
+    assert not registry.get("d0").operator_drained
