@@ -159,7 +159,9 @@ class Driven:
         self.tokens: list[tuple[int, str]] = []
         self.ended = threading.Event()
         self.error: BaseException | None = None
-        events = decode_events("colocated-0", self.call, message, CallScope(60),
+        self.scope = CallScope(60)  # a client's cancel reaches the call through it
+        self.scope.track(self.call)
+        events = decode_events("colocated-0", self.call, message, self.scope,
                                Finished(0, ""), None)
         StreamDriver(events, self._deliver, self._end, f"driven-{rid}").start()
 
@@ -197,7 +199,7 @@ def test_driven_requests_stream_on_the_outputs_reader_with_no_thread_of_their_ow
 def test_cancelling_a_driven_request_while_it_waits_frees_its_blocks(served, workload_prompts):
     run = Driven(served, "vc", workload_prompts[15][:30], LONG)
     wait_until(lambda: len(run.tokens) >= 3, "tokens streaming")
-    run.call.cancel()
+    run.scope.cancel()  # the client cancels
     assert run.ended.wait(30)
     assert isinstance(run.error, RouterError) and run.error.code is grpc.StatusCode.CANCELLED
     served.wait_all_free()

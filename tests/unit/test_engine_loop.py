@@ -98,9 +98,11 @@ def loop():
     engine, policy = StubEngine(), Policy()
     loop = EngineLoop(engine, policy, idle_wait_s=0.01)  # type: ignore[arg-type]
     fatal: list[str] = []
-    loop.on_fatal = fatal.append
+    went_down = threading.Event()
+    loop.on_fatal = lambda reason: (fatal.append(reason), went_down.set())
     loop.start()
-    yield SimpleNamespace(loop=loop, engine=engine, policy=policy, fatal=fatal)
+    yield SimpleNamespace(loop=loop, engine=engine, policy=policy, fatal=fatal,
+                          went_down=went_down)
     loop.stop()
 
 
@@ -119,7 +121,8 @@ def test_a_hook_failing_at_every_step_takes_the_worker_down(loop):
     for i in range(MAX_FAILED_ITERATIONS):
         got, done = submit(loop.loop, f"r{i}")
         assert done.wait(5) and isinstance(got[-1], RuntimeError)
-    assert loop.fatal and "failed 3 times running" in loop.fatal[0]
+    assert loop.went_down.wait(5)  # told after the requests in flight were failed
+    assert "failed 3 times running" in loop.fatal[0]
     assert loop.loop.fatal == loop.fatal[0]
 
 
