@@ -341,12 +341,18 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(self.spec.threads), PYTHONUNBUFFERED="1")
-        out = subprocess.DEVNULL
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - child owns it
-        self.processes[name] = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO_ROOT,
-                                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        if self.log_dir is None:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", *args], cwd=REPO_ROOT, env=env,
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # The child writes through its own copy of the descriptor: ours is closed at once (a
+        # launch that replaces workers for days would otherwise hold one per process started).
+        with open(self.log_dir / f"{name}.log", "w") as out:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", *args], cwd=REPO_ROOT, env=env, stdout=out,
+                stderr=subprocess.STDOUT)
 
     def status(self, timeout_s: float = 5.0) -> pb.ClusterStatus:
         return cluster_status(self.address, timeout_s, read_ca(self.spec.tls_ca))
