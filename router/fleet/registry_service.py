@@ -43,6 +43,10 @@ class WorkerRegistryServicer(pb_grpc.WorkerRegistryServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id, address, "
                           "block_size >= 1 and max_model_len >= 1 are required")
         _check_prefix(request.load, context)
+        unreachable = _unreachable(request.address)
+        if unreachable:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"address {request.address!r}: "
+                          f"{unreachable}")
         if request.kv_transport not in ("", *MODES):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_transport must be one of "
                           f"{', '.join(MODES)}, got {request.kv_transport!r}")
@@ -74,6 +78,17 @@ def _worker(request: pb.RegisterRequest) -> Worker:
         tensor_parallel_size=max(1, request.tensor_parallel_size),
         prefix_hashes=_prefix(request.load) or frozenset(),
         kv_layout=request.kv_layout, prefill_chunk_tokens=request.prefill_chunk_tokens)
+
+
+def _unreachable(address: str) -> str:
+    """Why the router could not call a worker at `address` ("" when it could)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        return "needs host:port with a port in 1..65535"
+    if host.strip("[]") in ("", "0.0.0.0", "::"):
+        return ("a wildcard host is where a worker listens, not where it is reached: give the "
+                "worker --advertise-host")
+    return ""
 
 
 def _check_prefix(load: pb.WorkerLoad, context: grpc.ServicerContext) -> None:

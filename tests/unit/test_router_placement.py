@@ -271,3 +271,19 @@ def test_an_operators_drain_outlives_a_drop_for_missed_heartbeats():
     registry.drop_dead()
     registry.register(worker("d0", Role.DECODE))
     assert not registry.get("d0").operator_drained
+
+
+@pytest.mark.parametrize(("address", "message"), [
+    ("0.0.0.0:5000", "give the worker --advertise-host"),
+    ("[::]:5000", "give the worker --advertise-host"),
+    ("worker-host", "needs host:port"),
+    ("worker-host:0", "needs host:port"),
+])
+def test_a_worker_address_the_router_cannot_call_is_refused(address, message):
+    from router.fleet.registry_service import WorkerRegistryServicer
+
+    servicer = WorkerRegistryServicer(WorkerRegistry(), "m", 0.5)
+    request = pb.RegisterRequest(worker_id="d0", role=pb.WORKER_ROLE_DECODE, address=address,
+                                 block_size=16, model="m", max_model_len=2048)
+    with pytest.raises(Refused, match=message):
+        servicer.Register(request, Context())
