@@ -200,10 +200,14 @@ def report(table: dict[float, list[dict]], slo: SLO, workers: int, devices: bool
 def run_plan(args: argparse.Namespace) -> int:
     """`python -m router plan` (ValueError/OSError on bad files or values)."""
     slo = SLO.load(args.slo)
+    if args.max_tokens_cap is not None and args.max_tokens_cap < 0:
+        raise ValueError(f"--max-tokens-cap must be >= 0 (0: no cap), got {args.max_tokens_cap}")
     rows = load_workload(args.workload, args.max_tokens_cap)
     rates = [float(x) for x in args.rates.split(",")]
     if any(r <= 0 for r in rates) or args.requests < 1 or args.seeds < 1:
         raise ValueError("--rates must be > 0, --requests and --seeds >= 1")
+    # Before the profiles: measuring one can take minutes, and a TP size of 0 failed in it.
+    candidates(args.workers, args.prefill_tp, args.decode_tp)
     table = plan(load_profiles(args), rows, slo, args.workers, rates, args.requests, args.seeds,
                  args.prefill_tp, args.decode_tp)
     print("\n".join(report(table, slo, args.workers, max(args.prefill_tp, args.decode_tp) > 1)))

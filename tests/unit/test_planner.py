@@ -119,6 +119,13 @@ def test_router_plan_cli_reads_its_files_and_refuses_bad_ones(tmp_path, capsys):
         router_main([*args[:5], "--workers", "0", *args[7:]])
     assert refused.value.code == 2
     assert "--workers must be >= 1" in capsys.readouterr().err
+    # Refused before any profile is read or measured (a missing one would be measured first)
+    no_profile = [a for a in args if a not in ("--profile", str(tmp_path / "profile.json"))]
+    for bad, message in ((["--prefill-tp", "0"], "--prefill-tp and --decode-tp must be >= 1"),
+                         (["--max-tokens-cap", "-2"], "--max-tokens-cap must be >= 0")):
+        with pytest.raises(SystemExit) as refused:
+            router_main([*no_profile, *bad])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_tensor_parallel_roles_take_their_devices_and_their_own_speed(tmp_path, capsys):
