@@ -239,6 +239,18 @@ def placement_argv(args: argparse.Namespace) -> tuple[str, ...]:
             "--rebalance-threshold", str(args.rebalance_threshold))
 
 
+def check_step_budget(budget: int | None, device: str) -> None:
+    """A step budget every worker would refuse, refused before anything starts: each running
+    request must be able to decode in every step."""
+    from engine.config import SchedulerConfig
+
+    seqs = SchedulerConfig.for_device(device).max_num_seqs
+    if budget is not None and budget < seqs:
+        raise ValueError(f"--max-num-batched-tokens must be >= the workers' max_num_seqs "
+                         f"({seqs} on {device}) so every running request can decode each "
+                         f"step, got {budget}")
+
+
 def launch_spec(args: argparse.Namespace) -> ClusterSpec:
     """The cluster `launch` starts; on CUDA without --gpus, every visible GPU (found without
     torch: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`). Raises ValueError or GpuError."""
@@ -250,6 +262,7 @@ def launch_spec(args: argparse.Namespace) -> ClusterSpec:
     gpus = args.gpus
     if args.device == "cuda" and gpus is None:
         gpus = visible_gpus()
+    check_step_budget(args.max_num_batched_tokens, args.device)
     credentials = {name: getattr(args, name) for name in FLAGS}
     if args.secure is not None:
         check_no_credential_flags(credentials)

@@ -19,7 +19,6 @@ import grpc
 from common.client import cluster_status
 from common.grpc_server import wait_healthy
 from common.logs import check_logging
-from engine.config import SchedulerConfig
 from launch.gpus import (
     MAX_FRACTION_PER_GPU,
     GpuSlot,
@@ -116,12 +115,9 @@ class ClusterSpec:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"--http-port and --port must differ, both {self.port}")
-        seqs = SchedulerConfig.for_device(self.device).max_num_seqs
-        budget = self.max_num_batched_tokens
-        if budget is not None and budget < seqs and "--max-num-seqs" not in self.worker_args:
-            raise ValueError(f"--max-num-batched-tokens must be >= the workers' max_num_seqs "
-                             f"({seqs} on {self.device}) so every running request can decode "
-                             f"each step, got {budget}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got "
+                             f"{self.max_num_batched_tokens}")
 
     def _check_tensor_parallel(self) -> None:
         for flag, size in (("--tensor-parallel-size", self.tensor_parallel_size),

@@ -78,7 +78,8 @@ def test_router_places_only_pairs_that_can_move_kv():
 
 
 def test_no_workable_pair_is_reported_with_every_reason_and_broken_pairs_are_avoided():
-    registry = WorkerRegistry()
+    now = [100.0]
+    registry = WorkerRegistry(clock=lambda: now[0])
     policy = PlacementPolicy(registry)
     registry.register(worker("p0", Role.PREFILL, device=GPU0, mode="dist"))
     registry.register(worker("d0", Role.DECODE, device=GPU0))
@@ -99,7 +100,9 @@ def test_no_workable_pair_is_reported_with_every_reason_and_broken_pairs_are_avo
     assert policy.refusal(p1, d1) == "cannot map d1's cache; and the pair group cannot form"
     assert policy.place_prefill(10, decode=d1) is None or \
         policy.place_prefill(10, decode=d1)[0].worker_id != "p1"
-    # the broken pair is forgotten when d1 comes back at another address (a restart)
+    # the broken pair is forgotten when d1 comes back at another address (a restart, once its
+    # old process has missed its heartbeats: until then the id is the old one's)
+    now[0] += registry.heartbeat_timeout_s + 1
     registry.register(Worker("d1", Role.DECODE, "127.0.0.1:6001", 16, 8192,
                              load=WorkerLoad(free_blocks=100, total_blocks=100), host_id="hostA"))
     assert policy.refusal(registry.get("p1"), registry.get("d1")) is None
