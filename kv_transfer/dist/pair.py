@@ -92,17 +92,33 @@ class PairRegistry:
         self._pairs: dict[str, PairGroup] = {}
         self._next_generation: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._setups: dict[str, threading.Lock] = {}  # one setup at a time per pair
 
     def get(self, store: dist.Store, key: str, generation: int) -> PairGroup:
+        """The pair `key` at `generation`, set up (a rendezvous with the peer, bounded by the
+        timeout) when it is not yet. One pair's setup holds up only that pair: a receiver that
+        held one lock through every setup let a dead sender's stall every other sender's
+        transfers for the whole timeout."""
+        found = self._live(key, generation)
+        if found is not None:
+            return found
         with self._lock:
-            pair = self._pairs.get(key)
-            if pair is not None and pair.generation == generation:
-                return pair
+            setup = self._setups.setdefault(key, threading.Lock())
+        with setup:
+            found = self._live(key, generation)  # set up meanwhile by another transfer
+            if found is not None:
+                return found
             pair = PairGroup.create(store, key, generation, self.rank, self.device, self.host,
                                     self.timeout_s)
-            self._pairs[key] = pair
-            self._next_generation[key] = generation + 1
+            with self._lock:
+                self._pairs[key] = pair
+                self._next_generation[key] = generation + 1
             return pair
+
+    def _live(self, key: str, generation: int) -> PairGroup | None:
+        with self._lock:
+            pair = self._pairs.get(key)
+            return pair if pair is not None and pair.generation == generation else None
 
     def current_generation(self, key: str) -> int:
         """The generation a sender should name for `key`: the live pair's, else a fresh one."""

@@ -52,3 +52,37 @@ def test_a_receiver_that_never_answers_tears_the_pair_down():
     with pytest.raises(TransferError, match="never answered"):
         sender.send_packed("decode-0", "127.0.0.1:1", [], lambda generation, tag: None)
     assert key not in sender.registry
+
+
+def test_one_pairs_setup_holds_up_no_other_pair(monkeypatch):
+    """A sender that died before its rendezvous holds its pair's setup for the whole timeout;
+    the receiver's other senders get theirs meanwhile (one lock through every setup made them
+    all wait, and time out behind it)."""
+    import threading
+
+    from kv_transfer.dist import pair as pair_module
+    from kv_transfer.dist.pair import RECEIVER_RANK, PairRegistry
+
+    stalled, release = threading.Event(), threading.Event()
+
+    def create(store, key, generation, *args):  # noqa: ANN001, ANN202
+        if key == "dead->d":
+            stalled.set()
+            release.wait(30)  # a rendezvous that never completes, until the test ends it
+        return SimpleNamespace(key=key, generation=generation)
+
+    monkeypatch.setattr(pair_module.PairGroup, "create", staticmethod(create))
+    registry = PairRegistry(RECEIVER_RANK, torch.device("cpu"), "127.0.0.1")
+    dead = threading.Thread(target=registry.get, args=(None, "dead->d", 0))
+    dead.start()
+    try:
+        assert stalled.wait(10)
+        got: list[object] = []
+        other = threading.Thread(target=lambda: got.append(registry.get(None, "live->d", 3)))
+        other.start()
+        other.join(10)
+        assert got and got[0].generation == 3  # while the dead sender's setup still waits
+        assert registry.get(None, "live->d", 3) is got[0]  # set up once
+    finally:
+        release.set()
+        dead.join(10)
