@@ -71,10 +71,7 @@ class LLMEngine:
         sched = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched, self.block_manager,
                                    release_window=self.model_config.release_window)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = self.tokenizer.end_token_ids(self.model_config.eos_token_ids)
         self._ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # async scheduling
 

@@ -4,6 +4,7 @@ no transformers import at run time)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,15 @@ class Tokenizer:
         # so a model trained with it writes them so (what tool_choice "auto" parses).
         self.knows_tool_calls = source is not None and "<tool_call>" in source
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def end_token_ids(self, model_eos: Iterable[int]) -> tuple[int, ...]:
+        """The tokens that end a request unless ignore_eos: the model's EOS ids (its config and
+        generation config) and this tokenizer's EOS token. One rule for the engine and the
+        router, whose text must end where the workers' did."""
+        eos = set(model_eos)
+        if self.eos_token_id is not None:
+            eos.add(self.eos_token_id)
+        return tuple(sorted(eos))
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)

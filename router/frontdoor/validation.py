@@ -50,11 +50,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.model_name = model_name
-        # The tokens that end a request unless ignore_eos, as the workers' engines count them.
-        eos = set(model_config.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        self.eos_token_ids = frozenset(tokenizer.end_token_ids(model_config.eos_token_ids))
 
     def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         """The tokens that end a request with these parameters (EOS, its stop_token_ids)."""
